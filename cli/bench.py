@@ -1,0 +1,152 @@
+"""`ninfer-bench ops`: time every route of every op at real Qwen3.6-27B shapes on the GPU.
+
+Each figure is the median of CUDA-event timings after warm-up, printed next to the ceilings measured
+in the same run (device copy bandwidth, torch bf16 GEMM rate) and the fraction reached. Weight-sized
+inputs rotate among copies that together exceed the L2, so memory-bound figures are not cache hits.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import click
+
+# (op, problem dims, T values) at the Qwen3.6-27B shapes (hidden 5120, MLP 17408, 24x256 q+gate heads).
+CASES = [
+    ("linear", {"N": 17408, "K": 5120}, [1, 2, 4, 8, 16, 64, 128, 512, 2048, 4096]),
+    ("linear", {"N": 5120, "K": 17408}, [1, 8, 4096]),
+    ("linear", {"N": 12288, "K": 5120}, [1, 4096]),
+    ("rms_norm_zc", {"H": 5120}, [1, 8, 4096]),
+    ("rms_norm", {"H": 128}, [48, 48 * 4096]),
+    ("add", {"H": 5120}, [1, 4096]),
+    ("silu_and_mul", {"I": 17408}, [1, 4096]),
+    ("sigmoid_mul", {"N": 6144}, [1, 4096]),
+    ("embedding", {"V": 248320, "H": 5120}, [1, 4096]),
+]
+L2_BYTES = 60 << 20
+
+
+def measure_ceilings(torch) -> tuple[float, float]:
+    """Device copy GB/s (read + write) and bf16 GEMM TFLOP/s via torch, median of 10."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    copy = _time(torch, lambda: b.copy_(a), 10)
+    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    n = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    gemm = _time(torch, lambda: m @ n, 10)
+    return 2 * a.numel() / copy / 1e9, 2 * 8192**3 / gemm / 1e12
+
+
+def _time(torch, fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(times)
+
+
+def _make(torch, contract, dtype, dims, rng):
+    from ninfer.runtime.contracts import TORCH_DTYPES
+
+    def shape(spec):
+        out = []
+        for d in spec["shape"]:
+            if isinstance(d, int):
+                out.append(d)
+            else:
+                mult, _, name = d.rpartition("*")
+                out.append(int(mult or 1) * dims[name])
+        return out
+
+    ts = {}
+    for name, spec in {**contract["inputs"], **contract["outputs"]}.items():
+        dt = TORCH_DTYPES[dtype if spec["dtype"] == "$dtype" else spec["dtype"]]
+        if dt == torch.int32:
+            ts[name] = torch.randint(0, dims.get("V", 1), shape(spec), device="cuda", dtype=dt, generator=rng)
+        else:
+            ts[name] = torch.randn(shape(spec), device="cuda", dtype=torch.float32, generator=rng).to(dt)
+    return ts
+
+
+def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
+    import torch
+
+    from ninfer.runtime.dispatch import CudaBackend
+    from ninfer.runtime.manifest import RouteError
+
+    be = CudaBackend()
+    copy_gbs, gemm_tflops = measure_ceilings(torch)
+    dev = be.device
+    click.echo(f"# {dev.name} ({dev.arch}, {dev.sm_count} SMs); measured ceilings: copy {copy_gbs:,.0f} GB/s "
+               f"(read+write), bf16 GEMM {gemm_tflops:,.0f} TFLOP/s (torch)")
+    click.echo(f"{'op':<13}{'problem':<18}{'T':>7}  {'route':<18}{'us':>9}{'GB/s':>8}{'%bw':>6}{'TFLOP/s':>9}{'%peak':>7}")
+    rows = []
+    rng = torch.Generator(device="cuda")
+    rng.manual_seed(0)
+    for op, problem, Ts in CASES:
+        if ops and op not in ops:
+            continue
+        contract = be.contract(op)
+        for T in Ts:
+            dims = {"T": T, **problem}
+            instances = sorted({k.instance for k in be.manifest.kernels.values() if k.op == op and k.arch == dev.arch})
+            chosen = be.select(op, "bf16", dims).instance
+            sets = None
+            for inst in instances:
+                if sets is None:
+                    base = _make(torch, contract, "bf16", dims, rng)
+                    nbytes = sum(t.numel() * t.element_size() for t in base.values())
+                    copies = max(1, min(8, -(-3 * L2_BYTES // max(nbytes, 1))))
+                    sets = [base] + [{k: v.clone() for k, v in base.items()} for _ in range(copies - 1)]
+                try:
+                    plans = [be.plan(op, route=inst, **s) for s in sets]
+                except RouteError:
+                    continue  # this route's constraints exclude the problem (e.g. T above its tmax)
+                it = iter(range(1 << 62))
+                secs = _time(torch, lambda: plans[next(it) % len(plans)](), reps)
+                flops = 2 * T * problem["N"] * problem["K"] if op == "linear" else 0
+                gbs = nbytes / secs / 1e9
+                row = {"op": op, "problem": problem, "T": T, "route": inst, "selected": inst == chosen,
+                       "us": secs * 1e6, "GB/s": gbs, "bw_frac": gbs / copy_gbs,
+                       "TFLOP/s": flops / secs / 1e12, "peak_frac": flops / secs / 1e12 / gemm_tflops}
+                rows.append(row)
+                mark = "*" if inst == chosen else " "
+                click.echo(f"{op:<13}{json.dumps(problem, separators=(',', ':')):<18}{T:>7}  {mark}{inst:<17}"
+                           f"{row['us']:>9.1f}{gbs:>8.0f}{100 * row['bw_frac']:>5.0f}%"
+                           f"{row['TFLOP/s']:>9.1f}{100 * row['peak_frac']:>6.0f}%")
+            del sets
+            torch.cuda.empty_cache()
+    click.echo("(* = the route the table selects for this T; GB/s counts each input read once and each output written once)")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"device": dev.name, "arch": dev.arch, "copy_GBps": copy_gbs, "gemm_TFLOPs": gemm_tflops,
+                       "rows": rows}, f, indent=1)
+
+
+@click.group()
+def main() -> None:
+    """Benchmarks (GPU): figures with the fraction of the measured roofline."""
+
+
+@main.command("ops")
+@click.option("--op", "ops", multiple=True, help="only these ops (repeatable)")
+@click.option("--reps", default=30, show_default=True)
+@click.option("--json", "json_out", type=click.Path(), help="also write the rows to this JSON file")
+def ops_cmd(ops, reps, json_out) -> None:
+    """Time each route of each op at the 27B shapes (events, warm-up, median)."""
+    from ninfer.runtime.cuda import gpu_available
+    if not gpu_available():
+        click.echo("ninfer-bench ops: needs a CUDA GPU (none found)", err=True)
+        sys.exit(2)
+    bench_ops(ops, reps, json_out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""CUDA driver access through cuda.bindings: device discovery, cubin modules, and pre-packed launches.
+
+Device memory comes from torch; torch's primary context is the one we load modules into, and launches
+go on torch's current stream, so our kernels and torch ops interleave (and capture into CUDA graphs).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+ARCH_BY_CC = {80: "sm_80", 86: "sm_86", 89: "sm_89", 90: "sm_90a", 120: "sm_120a"}
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+def gpu_available() -> bool:
+    """True when a CUDA driver and at least one device are present. cuInit raises (not returns) without libcuda."""
+    try:
+        from cuda.bindings import driver
+        (err,) = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return False
+        err, n = driver.cuDeviceGetCount()
+        return err == driver.CUresult.CUDA_SUCCESS and n > 0
+    except Exception:  # noqa: BLE001 - DynamicLibNotFoundError / RuntimeError when there is no libcuda
+        return False
+
+
+def check(result, what: str):
+    """Unpack a cuda.bindings result tuple, raising CudaError with the driver's error name on failure."""
+    from cuda.bindings import driver
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise CudaError(f"{what}: {name.decode() if isinstance(name, bytes) else name}")
+    return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int
+    name: str
+    cc: int
+    arch: str
+    sm_count: int
+    smem_per_block_optin: int
+
+
+@functools.lru_cache(maxsize=None)
+def device(index: int | None = None) -> Device:
+    import torch
+    from cuda.bindings import driver
+    if not gpu_available():
+        raise CudaError("no CUDA GPU is available (the cuda backend needs one; use --backend reference)")
+    index = torch.cuda.current_device() if index is None else index
+    torch.cuda.init()
+    torch.zeros(1, device=f"cuda:{index}")  # make torch's primary context current on this thread
+    dev = check(driver.cuDeviceGet(index), "cuDeviceGet")
+    ctx = check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    attr = driver.CUdevice_attribute
+    major = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "attr")
+    minor = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "attr")
+    sms = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "attr")
+    smem = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev), "attr")
+    cc = major * 10 + minor
+    if cc not in ARCH_BY_CC:
+        raise CudaError(f"compute capability {major}.{minor} has no target in specs/archs.yaml "
+                        f"(supported: {', '.join(ARCH_BY_CC.values())})")
+    return Device(index, torch.cuda.get_device_name(index), cc, ARCH_BY_CC[cc], sms, smem)
+
+
+class Module:
+    """A loaded cubin and its one kernel function."""
+
+    def __init__(self, cubin: bytes, symbol: str, smem: int):
+        from cuda.bindings import driver
+        self._cubin = cubin  # keep the image alive for the module's lifetime
+        self.module = check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({symbol})")
+        self.function = check(driver.cuModuleGetFunction(self.module, symbol.encode()), f"cuModuleGetFunction({symbol})")
+        if smem > 48 * 1024:
+            check(driver.cuFuncSetAttribute(
+                self.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                f"cuFuncSetAttribute({symbol}, smem={smem})")
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(handle: int):
+    from cuda.bindings import driver
+    return driver.CUstream(handle)
+
+
+def encode_tmap_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, elem_bytes: int = 2):
+    """A 2-D TMA descriptor (bf16, 128-byte swizzle, zero fill) over a row-major [rows, cols] tensor."""
+    from cuda.bindings import driver
+    dtype = driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    tmap = check(driver.cuTensorMapEncodeTiled(
+        dtype, 2, ptr, [cols, rows], [cols * elem_bytes], [box_cols, box_rows], [1, 1],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    desc = (ctypes.c_uint64 * 16)()  # the 128 opaque bytes of a CUtensorMap, passed by value
+    ctypes.memmove(ctypes.addressof(desc), tmap.getPtr(), 128)
+    return desc
+
+
+class Launch:
+    """One kernel launch with its arguments packed once: calling it only issues cuLaunchKernel.
+
+    Holds no tensors: the caller keeps the buffers alive (and fixed, when the launch is graph-captured)."""
+
+    def __init__(self, module: Module, grid, block, smem: int, values: list):
+        self.function, self.grid, self.block, self.smem = module.function, grid, block, smem
+        self._values = values  # ctypes objects; their addresses are what the kernel reads
+        self._params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        self._params_addr = ctypes.addressof(self._params)
+
+    def __call__(self, stream_handle: int | None = None) -> None:
+        from cuda.bindings import driver
+        if stream_handle is None:
+            import torch
+            stream_handle = torch.cuda.current_stream().cuda_stream
+        err, = driver.cuLaunchKernel(self.function, *self.grid, *self.block, self.smem, _stream(stream_handle),
+                                     self._params_addr, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            check((err,), "cuLaunchKernel")

@@ -1,0 +1,166 @@
+"""One dispatch interface, two backends.
+
+    backend.plan(op, y=..., x=..., w=..., eps=1e-6) -> a callable that runs the op on those buffers
+    backend.run(op, ...)                             -> plan + call (tests, one-off calls)
+
+`cuda` resolves the route from the manifest's route table for (arch, dtype, exact problem, T), checks
+the route's constraints and packs the kernel arguments once; calling the plan only launches, so a
+sequence of plans can be captured in a CUDA graph. `reference` runs each op's torch reference (any
+device, CPU in CI) through the same interface.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Callable
+
+import torch
+
+from .contracts import ContractError, bind
+from .manifest import Manifest, RouteError, evaluate
+from .reference import REFERENCES
+
+
+def _split(contract: dict, args: dict) -> tuple[dict, dict]:
+    tensor_names = set(contract["inputs"]) | set(contract["outputs"])
+    tensors = {k: v for k, v in args.items() if k in tensor_names or isinstance(v, torch.Tensor)}
+    params = {k: v for k, v in args.items() if k not in tensors}
+    return tensors, params
+
+
+def _dtype_of(op: str, contract: dict, tensors: dict) -> str:
+    from .contracts import TORCH_DTYPES
+    by_torch = {v: k for k, v in TORCH_DTYPES.items()}
+    for name, spec in {**contract["inputs"], **contract["outputs"]}.items():
+        if spec["dtype"] == "$dtype" and isinstance(tensors.get(name), torch.Tensor):
+            if tensors[name].dtype not in by_torch:
+                raise ContractError(f"{op}: argument {name} has unsupported dtype {tensors[name].dtype}")
+            return by_torch[tensors[name].dtype]
+    return contract["dtypes"][0]
+
+
+def _check_aliasing(op: str, contract: dict, tensors: dict) -> None:
+    for out in contract["outputs"]:
+        for inp in contract["inputs"]:
+            if tensors[out].data_ptr() == tensors[inp].data_ptr() and contract["aliases"].get(out) != inp:
+                raise ContractError(f"{op}: output {out} shares memory with input {inp}, which the contract does not allow")
+
+
+class Backend:
+    name = "?"
+
+    def __init__(self, manifest: Manifest | None = None):
+        self.manifest = manifest or Manifest.load()
+
+    def contract(self, op: str) -> dict:
+        try:
+            return self.manifest.ops[op]
+        except KeyError:
+            raise ContractError(f"unknown op {op!r} (known: {', '.join(sorted(self.manifest.ops))})") from None
+
+    def plan(self, op: str, *, route: str | None = None, **args) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def run(self, op: str, *, route: str | None = None, **args) -> None:
+        self.plan(op, route=route, **args)()
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def plan(self, op: str, *, route: str | None = None, **args):
+        contract = self.contract(op)
+        tensors, params = _split(contract, args)
+        dims, params = bind(op, contract, _dtype_of(op, contract, tensors), tensors, params)
+        _check_aliasing(op, contract, tensors)
+        fn = REFERENCES[contract["reference"]]
+        ins = {k: tensors[k] for k in contract["inputs"]}
+        outs = {k: tensors[k] for k in contract["outputs"]}
+
+        def call():
+            wide = {k: (v.float() if v.is_floating_point() else v) for k, v in ins.items()}
+            result = fn(**wide, **params)
+            for k, t in outs.items():
+                t.copy_(result[k])
+
+        return call
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, manifest: Manifest | None = None, device_index: int | None = None):
+        super().__init__(manifest)
+        from .cuda import device
+        self.device = device(device_index)
+        self._modules: dict[str, object] = {}
+
+    def module(self, kernel) -> object:
+        from .cubins import check_arch, compile_kernel
+        from .cuda import Module
+        mod = self._modules.get(kernel.key)
+        if mod is None:
+            path, _, _ = compile_kernel(kernel.data)  # cached by `make build`; compiled here only if missing
+            cubin = path.read_bytes()
+            check_arch(cubin, kernel.data, self.device.cc)
+            smem = int(evaluate(kernel.smem, {}))
+            mod = self._modules[kernel.key] = Module(cubin, kernel.symbol, smem)
+        return mod
+
+    def select(self, op: str, dtype: str, dims: dict, route: str | None = None):
+        """The kernel for this exact problem and T: from the route table, or a named `route.tile` (tests, tuning)."""
+        contract = self.contract(op)
+        problem = {d: dims[d] for d in contract["problem"]}
+        arch = self.device.arch
+        if route is None:
+            return self.manifest.resolve(arch, op, dtype, problem, dims["T"])
+        return self.manifest.kernel(arch, op, route, dtype)
+
+    def plan(self, op: str, *, route: str | None = None, **args):
+        from .cuda import Launch, encode_tmap_2d
+        contract = self.contract(op)
+        tensors, params = _split(contract, args)
+        dtype = _dtype_of(op, contract, tensors)
+        dims, params = bind(op, contract, dtype, tensors, params)
+        _check_aliasing(op, contract, tensors)
+        for name, t in tensors.items():
+            if t.device.type != "cuda":
+                raise ContractError(f"{op}: argument {name} is on {t.device}; the cuda backend needs GPU tensors")
+            if t.data_ptr() % 16:
+                raise ContractError(f"{op}: argument {name} is not 16-byte aligned")
+        kernel = self.select(op, dtype, dims, route)
+        env = {**dims, **params}
+        for c in kernel.constraints:
+            if not evaluate(c, env):
+                shown = ", ".join(f"{k}={v}" for k, v in dims.items())
+                raise RouteError(f"{op}: route {kernel.instance} ({kernel.arch}) requires {c}, which fails for {shown}")
+        values = []
+        for a in kernel.args:
+            if isinstance(a, dict):
+                t = tensors[a["tmap"]]
+                rows, cols = t.shape[0], t.shape[-1]
+                values.append(encode_tmap_2d(t.data_ptr(), rows, cols, a["box"][0], a["box"][1]))
+            elif a in tensors:
+                values.append(ctypes.c_uint64(tensors[a].data_ptr()))
+            elif a in dims:
+                values.append(ctypes.c_int32(dims[a]))
+            elif contract["params"][a]["type"] == "f32":
+                values.append(ctypes.c_float(params[a]))
+            else:
+                values.append(ctypes.c_int32(params[a]))
+        grid = tuple(int(evaluate(g, env)) for g in kernel.grid)
+        block = tuple(int(evaluate(b, env)) for b in kernel.block)
+        launch = Launch(self.module(kernel), grid, block, int(evaluate(kernel.smem, env)), values)
+        launch.kernel = kernel
+        return launch
+
+
+def backend(name: str = "auto", manifest: Manifest | None = None) -> Backend:
+    """`cuda` when a GPU is present (auto), else `reference`."""
+    if name == "auto":
+        from .cuda import gpu_available
+        name = "cuda" if gpu_available() else "reference"
+    if name == "cuda":
+        return CudaBackend(manifest)
+    if name == "reference":
+        return ReferenceBackend(manifest)
+    raise ValueError(f"unknown backend {name!r} (allowed: auto, cuda, reference)")

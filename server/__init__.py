@@ -1,0 +1,1 @@
+"""The aiohttp OpenAI/Anthropic-compatible server (issue 5)."""

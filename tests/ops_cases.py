@@ -1,0 +1,54 @@
+"""Shared op test cases: random inputs (never zeros) for a problem, and the fp64 oracle.
+
+Used by the CPU tests (reference backend) and the GPU tests (every route of every op).
+"""
+import torch
+
+from ninfer.runtime.contracts import TORCH_DTYPES
+from ninfer.runtime.reference import REFERENCES
+
+# Problems per op: a small odd-sized one and a real 27B-shaped one.
+PROBLEMS = {
+    "rms_norm": [{"H": 128}, {"H": 5120}],
+    "rms_norm_zc": [{"H": 256}, {"H": 5120}],
+    "add": [{"H": 264}, {"H": 5120}],
+    "silu_and_mul": [{"I": 136}, {"I": 17408}],
+    "sigmoid_mul": [{"N": 200}, {"N": 6144}],
+    "embedding": [{"V": 1000, "H": 64}, {"V": 248320, "H": 5120}],
+    "linear": [{"N": 136, "K": 200}, {"N": 1024, "K": 5120}],
+}
+
+
+def shape_of(spec, dims):
+    out = []
+    for d in spec["shape"]:
+        if isinstance(d, int):
+            out.append(d)
+        else:
+            mult, _, name = d.rpartition("*")
+            out.append(int(mult or 1) * dims[name])
+    return out
+
+
+def make_inputs(contract, dims, device, gen, dtype="bf16"):
+    """Inputs drawn fresh from N(0,1) (ids uniform, a few out of range for embedding); outputs poisoned with NaN."""
+    ts = {}
+    for name, spec in contract["inputs"].items():
+        dt = TORCH_DTYPES[dtype if spec["dtype"] == "$dtype" else spec["dtype"]]
+        shape = shape_of(spec, dims)
+        if dt == torch.int32:
+            ts[name] = torch.randint(0, dims["V"], shape, generator=gen, dtype=dt).to(device)
+        else:
+            scale = 0.5 if name == "w" and "H" in dims else 1.0
+            ts[name] = (torch.randn(shape, generator=gen) * scale).to(dt).to(device)
+    for name, spec in contract["outputs"].items():
+        dt = TORCH_DTYPES[dtype if spec["dtype"] == "$dtype" else spec["dtype"]]
+        ts[name] = torch.full(shape_of(spec, dims), float("nan"), dtype=dt, device=device)
+    return ts
+
+
+def oracle(op, contract, tensors, params):
+    """fp64 (on the tensors' device) reference from the represented inputs, before the one output rounding."""
+    fn = REFERENCES[contract["reference"]]
+    ins = {k: (tensors[k].double() if tensors[k].is_floating_point() else tensors[k]) for k in contract["inputs"]}
+    return fn(**ins, **params)

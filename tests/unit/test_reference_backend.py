@@ -1,0 +1,87 @@
+"""The reference backend runs every op through the same dispatch interface (CPU, CI)."""
+import pytest
+import torch
+
+from ninfer.runtime.contracts import ContractError
+from ninfer.runtime.dispatch import ReferenceBackend, backend
+from ninfer.runtime.tolerance import compare
+from tests.ops_cases import PROBLEMS, make_inputs, oracle
+
+
+@pytest.fixture(scope="module")
+def be():
+    return ReferenceBackend()
+
+
+@pytest.mark.parametrize("op", sorted(PROBLEMS))
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_op_matches_fp64_oracle(be, op, T):
+    contract = be.contract(op)
+    gen = torch.Generator().manual_seed(hash((op, T)) % 2**31)
+    dims = {"T": T, **PROBLEMS[op][0]}
+    ts = make_inputs(contract, dims, "cpu", gen)
+    params = {k: v["default"] for k, v in contract["params"].items()}
+    be.run(op, **ts)
+    ref = oracle(op, contract, ts, params)
+    preset = be.manifest.tolerances[contract["tolerance"]]
+    for name in contract["outputs"]:
+        v = compare(ts[name], ref[name], preset, f"{op} T={T} {name}")
+        assert v, v.detail
+
+
+def test_embedding_out_of_range_ids_give_zero_rows(be):
+    table = torch.randn(10, 16).bfloat16()
+    ids = torch.tensor([3, -1, 10, 9], dtype=torch.int32)
+    y = torch.full((4, 16), float("nan")).bfloat16()
+    be.run("embedding", ids=ids, table=table, y=y)
+    assert torch.equal(y[0], table[3]) and torch.equal(y[3], table[9])
+    assert (y[1] == 0).all() and (y[2] == 0).all()
+
+
+def test_inplace_alias_allowed_only_where_declared(be):
+    a, b = torch.randn(4, 16).bfloat16(), torch.randn(4, 16).bfloat16()
+    expect = (a.float() + b.float()).bfloat16()
+    be.run("add", a=a, b=b, y=a)
+    assert torch.equal(a, expect)
+    with pytest.raises(ContractError, match="add: output y shares memory with input b, which the contract does not allow"):
+        be.run("add", a=a, b=b, y=b)
+
+
+@pytest.mark.parametrize("args,message", [
+    (dict(x=torch.randn(4, 16).bfloat16(), w=torch.randn(8, 16).bfloat16(), y=torch.empty(4, 9).bfloat16()),
+     "linear: argument y axis 1 gives N=9, but an earlier argument gave N=8 (shape ['T', 'N'])"),
+    (dict(x=torch.randn(4, 16).bfloat16(), w=torch.randn(8, 16), y=torch.empty(4, 8).bfloat16()),
+     "linear: argument w has dtype torch.float32, expected torch.bfloat16"),
+    (dict(x=torch.randn(4, 16).bfloat16(), w=torch.randn(8, 16).bfloat16()),
+     "linear: missing tensor(s) ['y'], unexpected -"),
+    (dict(x=torch.randn(4, 16).bfloat16(), w=torch.randn(8, 16, 1).bfloat16(), y=torch.empty(4, 8).bfloat16()),
+     "linear: argument w has shape (8, 16, 1), expected rank 2 ['N', 'K']"),
+    (dict(x=torch.randn(16, 4).bfloat16().T, w=torch.randn(8, 16).bfloat16(), y=torch.empty(4, 8).bfloat16()),
+     "linear: argument x must be contiguous"),
+    (dict(x=torch.randn(0, 16).bfloat16(), w=torch.randn(8, 16).bfloat16(), y=torch.empty(0, 8).bfloat16()),
+     "linear: T (tokens) must be >= 1, got 0"),
+])
+def test_mismatched_calls_name_the_argument(be, args, message):
+    with pytest.raises(ContractError) as e:
+        be.run("linear", **args)
+    assert message in str(e.value)
+
+
+def test_silu_and_mul_odd_width_is_refused(be):
+    with pytest.raises(ContractError, match=r"silu_and_mul: argument x axis 1 is 9, expected a multiple of 2 \(2\*I\)"):
+        be.run("silu_and_mul", x=torch.randn(2, 9).bfloat16(), y=torch.empty(2, 4).bfloat16())
+
+
+def test_unknown_op_and_param(be):
+    with pytest.raises(ContractError, match="unknown op 'gelu'"):
+        be.run("gelu", x=torch.randn(2, 8))
+    x, w = torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16()
+    with pytest.raises(ContractError, match=r"rms_norm: unknown param\(s\) epsilon \(allowed: eps\)"):
+        be.run("rms_norm", x=x, w=w, y=torch.empty_like(x), epsilon=1e-5)
+
+
+def test_auto_backend_is_reference_without_gpu():
+    from ninfer.runtime.cuda import gpu_available
+    assert backend("auto").name == ("cuda" if gpu_available() else "reference")
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+        backend("tpu")

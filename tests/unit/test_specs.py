@@ -1,0 +1,192 @@
+"""Spec validation: every bad input is refused with a message naming file, key and what is allowed."""
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from ninfer.codegen.render import RenderError, generate
+from ninfer.codegen.specs import load_specs
+from ninfer.codegen.yamlio import SpecError
+
+
+def edit(path, fn):
+    data = yaml.safe_load(path.read_text())
+    fn(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def fails(spec_tree, message):
+    specs, templates = spec_tree
+    with pytest.raises(SpecError) as e:
+        load_specs(specs, templates)
+    assert message in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def test_real_specs_load(spec_tree):
+    s = load_specs(*spec_tree)
+    assert {"linear", "rms_norm", "rms_norm_zc", "add", "silu_and_mul", "sigmoid_mul", "embedding"} <= set(s.ops)
+    assert set(s.archs) == {"sm_80", "sm_86", "sm_89", "sm_90a", "sm_120a"}
+    assert "wgmma" in s.archs["sm_90a"].features and "wgmma" not in s.archs["sm_80"].features
+
+
+def test_malformed_yaml_names_file_and_line(spec_tree):
+    specs, _ = spec_tree
+    (specs / "ops" / "add.yaml").write_text("op: add\nsummary: [unclosed\n")
+    msg = fails(spec_tree, "ops/add.yaml: malformed YAML: line 3")
+    assert "column" in msg
+
+
+def test_duplicate_key(spec_tree):
+    specs, _ = spec_tree
+    p = specs / "ops" / "add.yaml"
+    p.write_text(p.read_text() + "tolerance: exact\n")
+    fails(spec_tree, "ops/add.yaml: malformed YAML: line")
+    fails(spec_tree, "duplicate key 'tolerance'")
+
+
+def test_unknown_key_lists_allowed(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "ops" / "add.yaml", lambda d: d.update(colour="red"))
+    fails(spec_tree, "ops/add.yaml: unknown key(s) colour (allowed: aliases, dims, dtypes, formula, inputs, notes, "
+                     "op, outputs, params, problem, reference, summary, tolerance)")
+
+
+def test_unknown_dtype(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "ops" / "add.yaml", lambda d: d["inputs"]["a"].update(dtype="bf17"))
+    fails(spec_tree, "ops/add.yaml: inputs.a.dtype: unknown dtype 'bf17' (allowed: $dtype, bf16, f16, f32, i32)")
+
+
+def test_unknown_arch(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0].update(archs=["sm_70"]))
+    fails(spec_tree, "routes/add.yaml: routes[0].archs[0]: unknown arch 'sm_70' (allowed: sm_120a, sm_80, sm_86, sm_89, sm_90a)")
+
+
+def test_unknown_op_in_route_file(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d.update(op="addd"))
+    fails(spec_tree, "routes/add.yaml: op: unknown op 'addd' (known ops:")
+
+
+def test_unknown_template(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0].update(template="nope.cu.j2"))
+    fails(spec_tree, "routes/add.yaml: routes[0].template: unknown template 'nope.cu.j2'")
+
+
+def test_unknown_tolerance(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "ops" / "add.yaml", lambda d: d.update(tolerance="loose"))
+    fails(spec_tree, "ops/add.yaml: tolerance: unknown tolerance preset 'loose' (allowed: bf16_elementwise")
+
+
+def test_duplicate_route_name(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"].append(dict(d["routes"][0])))
+    fails(spec_tree, "routes/add.yaml: routes[1].name: duplicate route name 'vec8' for op add")
+
+
+def test_unknown_route_instance_in_table(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["tables"][0]["spans"][0].update(use="vec8.t999"))
+    fails(spec_tree, "routes/add.yaml: tables[0].spans[0].use: unknown route instance 'vec8.t999' (allowed: vec8.t256)")
+
+
+def _spans(spans):
+    def f(d):
+        d["tables"][0]["spans"] = [{"from": a, "to": b, "use": "vec8.t256"} for a, b in spans]
+    return f
+
+
+@pytest.mark.parametrize("spans,message", [
+    ([(1, 8), (10, None)], "tables[0].spans[1]: gap: T=9..9 is covered by no span (spans must cover T=1..∞)"),
+    ([(2, None)], "tables[0].spans[0]: gap: T=1..1 is covered by no span"),
+    ([(1, 8), (8, None)], "tables[0].spans[1]: span T=8.. overlaps the previous span, which ends at T=8"),
+    ([(1, 8), (9, 16)], "tables[0].spans: gap: T=17..∞ is covered by no span (the last span needs to: null)"),
+    ([(1, None), (5, None)], "tables[0].spans[1]: span starts at T=5 after an open span"),
+    ([(1, 8), (9, 4)], "tables[0].spans[1].to: span ends (T=4) before it starts (T=9)"),
+])
+def test_closed_catalogue(spec_tree, spans, message):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", _spans(spans))
+    fails(spec_tree, f"routes/add.yaml: {message}")
+
+
+def test_missing_default_table(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d.pop("tables"))
+    fails(spec_tree, "routes/add.yaml: tables: no default table (problem: any) for add on sm_120a/bf16: every T must be admitted")
+
+
+def test_two_tables_for_one_problem(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["tables"].append(d["tables"][0]))
+    fails(spec_tree, "routes/add.yaml: tables: two tables for add on sm_80/bf16 problem any")
+
+
+def test_t_constraint_of_route_is_respected_by_spans(spec_tree):
+    specs, _ = spec_tree
+    def f(d):
+        d["routes"][0]["constraints"] = ["T <= tile.threads"]
+    edit(specs / "routes" / "add.yaml", f)
+    fails(spec_tree, "routes/add.yaml: tables[0].spans[0].use: route vec8.t256 admits only T <= 256; the span reaches T=∞")
+
+
+def test_smem_over_arch_limit(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["launch"].update(smem="tile.threads * 1024"))
+    fails(spec_tree, "routes/add.yaml: routes[0].tiles.t256: tile needs 262144 bytes of shared memory; sm_80 allows at most 166912 per block")
+
+
+def test_feature_missing_on_arch(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0].update(requires=["wgmma"]))
+    fails(spec_tree, "routes/add.yaml: routes[0].archs: route add/vec8 requires wgmma, which sm_80 lacks (its features: mma_sync_bf16, mma_sync_f16, mma_sync_int8, cp_async)")
+
+
+def test_bad_formula(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["launch"].update(grid=["__import__('os')", 1, 1]))
+    fails(spec_tree, "routes/add.yaml: routes[0].launch.grid[0]: in \"__import__('os')\": only the functions cdiv, min, max are allowed")
+
+
+def test_unknown_tile_param_in_formula(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["launch"].update(block=["tile.warps", 1, 1]))
+    fails(spec_tree, "routes[0].launch.block[0]: in 'tile.warps': unknown tile param 'warps' (tile has: threads)")
+
+
+def test_block_over_1024_threads(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["tiles"].update(t256={"threads": 2048}))
+    fails(spec_tree, "routes/add.yaml: routes[0].tiles.t256: block of 2048 threads breaks the limit of 1024")
+
+
+def test_render_error_names_template_and_line_and_leaves_tree(spec_tree, tmp_path):
+    specs, templates = spec_tree
+    out = tmp_path / "generated"
+    generate(specs, templates, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    t = templates / "elementwise.cu.j2"
+    t.write_text(t.read_text().replace("constexpr int THREADS", "{{ tile.no_such_param }}\nconstexpr int THREADS", 1))
+    with pytest.raises(RenderError) as e:
+        generate(specs, templates, out)
+    assert re.search(r"routes/add\.yaml: route add/vec8 tile t256 \(sm_\w+, bf16\): template codegen/templates/"
+                     r"elementwise\.cu\.j2:\d+: 'dict object' has no attribute 'no_such_param'", str(e.value)), str(e.value)
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".generated")]
+
+
+def test_codegen_cli_exits_nonzero_with_message(spec_tree, tmp_path):
+    specs, templates = spec_tree
+    edit(specs / "routes" / "add.yaml", _spans([(1, 4), (6, None)]))
+    r = subprocess.run([sys.executable, "-m", "ninfer.codegen", "--specs", str(specs), "--templates", str(templates),
+                        "--out", str(tmp_path / "gen")], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "routes/add.yaml: tables[0].spans[1]: gap: T=5..5 is covered by no span" in r.stderr
+    assert not (tmp_path / "gen").exists()
