@@ -97,8 +97,10 @@ def encode_tmap_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int,
     """A 2-D TMA descriptor (bf16, 128-byte swizzle, zero fill) over a row-major [rows, cols] tensor."""
     from cuda.bindings import driver
     dtype = driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t  # newer bindings refuse plain ints in these lists
     tmap = check(driver.cuTensorMapEncodeTiled(
-        dtype, 2, ptr, [cols, rows], [cols * elem_bytes], [box_cols, box_rows], [1, 1],
+        dtype, 2, ptr, [u64(cols), u64(rows)], [u64(cols * elem_bytes)], [u32(box_cols), u32(box_rows)],
+        [u32(1), u32(1)],
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
