@@ -72,7 +72,10 @@ class ReferenceBackend(Backend):
         tensors, params = _split(contract, args)
         dims, params = bind(op, contract, _dtype_of(op, contract, tensors), tensors, params)
         _check_aliasing(op, contract, tensors)
-        fn = REFERENCES[contract["reference"]]
+        fn = REFERENCES.get(contract["reference"])
+        if fn is None:
+            raise ContractError(f"{op}: its contract names reference {contract['reference']!r}, which "
+                                f"ninfer.runtime.reference does not define")
         ins = {k: tensors[k] for k in contract["inputs"]}
         outs = {k: tensors[k] for k in contract["outputs"]}
 
