@@ -96,7 +96,7 @@ def build_manifest_and_sources(specs: SpecSet, templates: Path) -> tuple[dict, d
     env, annotated = _environment(templates), _annotated_environment(templates)
     sources: dict[str, str] = {}
     kernels: dict[str, dict] = {}
-    for op_name in sorted(specs.routes):
+    for op_name in sorted(specs.routes):  # reference-only ops (no routes file) have no kernels
         op = specs.ops[op_name]
         for rname in sorted(specs.routes[op_name]):
             route = specs.routes[op_name][rname]
@@ -140,7 +140,8 @@ def build_manifest_and_sources(specs: SpecSet, templates: Path) -> tuple[dict, d
                   # lists, not mappings: argument order is part of the contract and JSON keys get sorted
                   "inputs": [{"name": k, "dtype": v.dtype, "shape": v.shape} for k, v in op.inputs.items()],
                   "outputs": [{"name": k, "dtype": v.dtype, "shape": v.shape} for k, v in op.outputs.items()],
-                  "params": [{"name": k, **v} for k, v in op.params.items()], "aliases": op.aliases, "reference": op.reference, "tolerance": op.tolerance}
+                  "states": [{"name": k, "dtype": v.dtype, "shape": v.shape} for k, v in op.states.items()],
+                  "params": [{"name": k, **v} for k, v in op.params.items()], "constraints": op.constraints, "aliases": op.aliases, "reference": op.reference, "tolerance": op.tolerance}
            for name, op in sorted(specs.ops.items())}
     archs = {a.name: {"cc": a.cc, "smem_per_block": a.smem_per_block, "sm_count_hint": a.sm_count_hint,
                       "features": a.features} for a in specs.archs.values()}

@@ -19,18 +19,18 @@ class ContractError(ValueError):
 
 def bind(op_name: str, contract: dict, dtype: str, tensors: dict, params: dict) -> tuple[dict, dict]:
     """Returns (dims, params with defaults). Raises ContractError naming the offending argument."""
-    inputs, outputs = contract["inputs"], contract["outputs"]
-    expected = set(inputs) | set(outputs)
+    inputs, outputs, states = contract["inputs"], contract["outputs"], contract["states"]
+    expected = set(inputs) | set(outputs) | set(states)
     missing = sorted(expected - tensors.keys())
     extra = sorted(tensors.keys() - expected)
     if missing or extra:
         raise ContractError(f"{op_name}: missing tensor(s) {missing or '-'}, unexpected {extra or '-'} "
-                            f"(the op takes: {', '.join(list(inputs) + list(outputs))})")
+                            f"(the op takes: {', '.join([*inputs, *outputs, *states])})")
     if dtype not in contract["dtypes"]:
         raise ContractError(f"{op_name}: dtype {dtype} is not supported (allowed: {', '.join(contract['dtypes'])})")
     dims: dict[str, int] = {}
     device = None
-    for name, spec in {**inputs, **outputs}.items():
+    for name, spec in {**inputs, **outputs, **states}.items():
         t = tensors[name]
         if not isinstance(t, torch.Tensor):
             raise ContractError(f"{op_name}: argument {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -74,4 +74,9 @@ def bind(op_name: str, contract: dict, dtype: str, tensors: dict, params: dict) 
     if unknown:
         raise ContractError(f"{op_name}: unknown param(s) {', '.join(unknown)} "
                             f"(allowed: {', '.join(contract['params']) or 'none'})")
+    from .manifest import evaluate
+    for c in contract.get("constraints", []):
+        if not evaluate(c, {**dims, **bound}):
+            shown = ", ".join(f"{k}={v}" for k, v in {**dims, **bound}.items())
+            raise ContractError(f"{op_name}: the contract requires {c}, which fails for {shown}")
     return dims, bound

@@ -11,6 +11,7 @@ device, CPU in CI) through the same interface.
 from __future__ import annotations
 
 import ctypes
+import inspect
 from typing import Callable
 
 import torch
@@ -21,7 +22,7 @@ from .reference import REFERENCES
 
 
 def _split(contract: dict, args: dict) -> tuple[dict, dict]:
-    tensor_names = set(contract["inputs"]) | set(contract["outputs"])
+    tensor_names = set(contract["inputs"]) | set(contract["outputs"]) | set(contract["states"])
     tensors = {k: v for k, v in args.items() if k in tensor_names or isinstance(v, torch.Tensor)}
     params = {k: v for k, v in args.items() if k not in tensors}
     return tensors, params
@@ -30,7 +31,7 @@ def _split(contract: dict, args: dict) -> tuple[dict, dict]:
 def _dtype_of(op: str, contract: dict, tensors: dict) -> str:
     from .contracts import TORCH_DTYPES
     by_torch = {v: k for k, v in TORCH_DTYPES.items()}
-    for name, spec in {**contract["inputs"], **contract["outputs"]}.items():
+    for name, spec in {**contract["inputs"], **contract["states"], **contract["outputs"]}.items():
         if spec["dtype"] == "$dtype" and isinstance(tensors.get(name), torch.Tensor):
             if tensors[name].dtype not in by_torch:
                 raise ContractError(f"{op}: argument {name} has unsupported dtype {tensors[name].dtype}")
@@ -39,10 +40,13 @@ def _dtype_of(op: str, contract: dict, tensors: dict) -> str:
 
 
 def _check_aliasing(op: str, contract: dict, tensors: dict) -> None:
-    for out in contract["outputs"]:
-        for inp in contract["inputs"]:
-            if tensors[out].data_ptr() == tensors[inp].data_ptr() and contract["aliases"].get(out) != inp:
-                raise ContractError(f"{op}: output {out} shares memory with input {inp}, which the contract does not allow")
+    written = [*contract["outputs"], *contract["states"]]
+    for out in written:
+        for other in [*contract["inputs"], *contract["states"], *contract["outputs"]]:
+            if other == out:
+                continue
+            if tensors[out].data_ptr() == tensors[other].data_ptr() and contract["aliases"].get(out) != other:
+                raise ContractError(f"{op}: {out} shares memory with {other}, which the contract does not allow")
 
 
 class Backend:
@@ -76,12 +80,15 @@ class ReferenceBackend(Backend):
         if fn is None:
             raise ContractError(f"{op}: its contract names reference {contract['reference']!r}, which "
                                 f"ninfer.runtime.reference does not define")
-        ins = {k: tensors[k] for k in contract["inputs"]}
-        outs = {k: tensors[k] for k in contract["outputs"]}
+        ins = {k: tensors[k] for k in [*contract["inputs"], *contract["states"]]}
+        outs = {k: tensors[k] for k in [*contract["outputs"], *contract["states"]]}
+
+        extra = {"dims": dims} if "dims" in inspect.signature(fn).parameters else {}
 
         def call():
-            wide = {k: (v.float() if v.is_floating_point() else v) for k, v in ins.items()}
-            result = fn(**wide, **params)
+            # fp32 math (fp64 stays fp64: the test oracles); the result is rounded once into each output
+            wide = {k: (v.float() if v.is_floating_point() and v.dtype != torch.float64 else v) for k, v in ins.items()}
+            result = fn(**wide, **params, **extra)
             for k, t in outs.items():
                 t.copy_(result[k])
 

@@ -67,7 +67,8 @@ class Manifest:
         """Op contracts, with inputs/outputs/params as ordered {name: spec} mappings (contract order)."""
         def named(items):
             return {i["name"]: {k: v for k, v in i.items() if k != "name"} for i in items}
-        return {name: {**c, "inputs": named(c["inputs"]), "outputs": named(c["outputs"]), "params": named(c["params"])}
+        return {name: {**c, "inputs": named(c["inputs"]), "outputs": named(c["outputs"]),
+                       "states": named(c["states"]), "params": named(c["params"])}
                 for name, c in self.data["ops"].items()}
 
     @property
@@ -90,7 +91,9 @@ class Manifest:
         try:
             entries = self.data["tables"][arch][op][dtype]
         except KeyError:
-            raise RouteError(f"no route table for {op} on {arch}/{dtype}") from None
+            if not any(k["op"] == op for k in self.data["kernels"].values()):
+                raise RouteError(f"{op} has no generated kernels yet (reference backend only)") from None
+            raise RouteError(f"no route table for {op} on {arch}/{dtype} (no kernels for that dtype)") from None
         for e in entries:
             if all(problem.get(k) == v for k, v in e["problem"].items()):
                 return e["spans"]

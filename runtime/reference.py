@@ -1,6 +1,7 @@
 """Torch reference implementations, one per op contract (`reference:` in specs/ops/*.yaml).
 
-Each takes the op's inputs and params as keyword arguments and returns its outputs as a dict, computed
+Each takes the op's inputs, states and params as keyword arguments (and `dims`, the bound dims, where a
+shape cannot be read off the tensors) and returns its outputs and new states as a dict, computed
 in fp32 (or wider, for the test oracles: pass fp64 tensors) and cast once to the output dtype by the
 caller. They run on any device: the reference backend uses them on CPU in CI.
 """
@@ -44,4 +45,133 @@ def linear(x, w):
     return {"y": x @ w.T}
 
 
-REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear)}
+def _rope_neox(x, positions, theta, rotary_dim):
+    """Rotate (x[i], x[i + R/2]) for i < R/2 by position · theta^(-2i/R); dims >= R pass through."""
+    half = rotary_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=x.device) / rotary_dim))
+    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]          # [T, R/2]
+    cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def attn_qk_prep(qkv, positions, q_norm, k_norm, theta, rotary_dim, eps, dims):
+    nh, nkv, d = dims["NH"], dims["NKV"], dims["D"]
+    qg = qkv[:, : 2 * nh * d].reshape(-1, nh, 2 * d)
+    k = qkv[:, 2 * nh * d: 2 * nh * d + nkv * d].reshape(-1, nkv, d)
+    v = qkv[:, 2 * nh * d + nkv * d:].reshape(-1, nkv, d)
+    q = _rope_neox(_norm(qg[..., :d], eps) * (1 + q_norm), positions, theta, rotary_dim)
+    k = _rope_neox(_norm(k, eps) * (1 + k_norm), positions, theta, rotary_dim)
+    return {"q": q, "gate": qg[..., d:], "k": k, "v": v}
+
+
+def kv_cache_write(k, v, slot_mapping, k_cache, v_cache):
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    bs = k_cache.shape[1]
+    ok = slot_mapping >= 0
+    s = slot_mapping[ok].long()
+    k_cache[s // bs, s % bs] = k[ok].to(k_cache.dtype)
+    v_cache[s // bs, s % bs] = v[ok].to(v_cache.dtype)
+    return {"k_cache": k_cache, "v_cache": v_cache}
+
+
+def paged_attention(q, k_cache, v_cache, block_table, token_seq, positions, scale):
+    T, nh, d = q.shape
+    bs, nkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for s in torch.unique(token_seq).tolist():
+        rows = (token_seq == s).nonzero().flatten()
+        n = int(positions[rows].max()) + 1
+        pages = block_table[s, : (n + bs - 1) // bs].long()
+        K = k_cache[pages].reshape(-1, nkv, d)[:n].to(q.dtype).repeat_interleave(nh // nkv, dim=1)  # [n, nh, d]
+        V = v_cache[pages].reshape(-1, nkv, d)[:n].to(q.dtype).repeat_interleave(nh // nkv, dim=1)
+        scores = torch.einsum("thd,nhd->thn", q[rows], K) * scale
+        mask = torch.arange(n, device=q.device)[None, :] > positions[rows][:, None]
+        scores = scores.masked_fill(mask[:, None, :], float("-inf"))
+        out[rows] = torch.einsum("thn,nhd->thd", scores.softmax(-1), V)
+    return {"o": out}
+
+
+def _sequences(query_start, slots):
+    qs = query_start.tolist()
+    return [(qs[i], qs[i + 1], int(slots[i])) for i in range(len(qs) - 1)]
+
+
+def gdn_conv(x, w, query_start, slots, conv_state):
+    conv_state = conv_state.clone()
+    y = torch.empty_like(x)
+    kw = w.shape[1]
+    for a, b, slot in _sequences(query_start, slots):
+        window = torch.cat([conv_state[slot].T, x[a:b]], dim=0)             # [KW-1 + n, C]
+        for i in range(b - a):
+            y[a + i] = F.silu((window[i: i + kw] * w.T).sum(0))
+        conv_state[slot] = window[-(kw - 1):].T
+    return {"y": y, "conv_state": conv_state}
+
+
+def gdn_gates(a, b, A_log, dt_bias):
+    return {"g": -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float()), "beta": torch.sigmoid(b.float())}
+
+
+def _l2norm(x, eps):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_delta_rule(qkv, g, beta, query_start, slots, state, num_k_heads, scale, eps):
+    state = state.clone()
+    hv, dk, dv = state.shape[1:]
+    hk = num_k_heads
+    q = _l2norm(qkv[:, : hk * dk].reshape(-1, hk, dk), eps).repeat_interleave(hv // hk, dim=1) * scale
+    k = _l2norm(qkv[:, hk * dk: 2 * hk * dk].reshape(-1, hk, dk), eps).repeat_interleave(hv // hk, dim=1)
+    v = qkv[:, 2 * hk * dk:].reshape(-1, hv, dv)
+    o = torch.empty(qkv.shape[0], hv, dv, dtype=qkv.dtype, device=qkv.device)
+    wide = torch.float64 if qkv.dtype == torch.float64 else torch.float32
+    for a, b, slot in _sequences(query_start, slots):
+        S = state[slot].to(wide)                                             # [HV, DK, DV]
+        for t in range(a, b):
+            S = S * torch.exp(g[t].to(wide))[:, None, None]
+            kv = torch.einsum("hkv,hk->hv", S, k[t].to(wide))
+            S = S + k[t].to(wide)[:, :, None] * ((v[t].to(wide) - kv) * beta[t].to(wide)[:, None])[:, None, :]
+            o[t] = torch.einsum("hkv,hk->hv", S, q[t].to(wide)).to(o.dtype)
+        state[slot] = S.to(state.dtype)
+    return {"o": o, "state": state}
+
+
+def gdn_gated_norm(o, z, w, eps):
+    return {"y": w * _norm(o, eps) * F.silu(z)}
+
+
+def moe_topk(logits, renormalize, dims):
+    p = torch.softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
+    k = dims["K"]
+    # stable sort on -p: equal probabilities keep ascending ids, so the lower id wins ties
+    order = torch.sort(-p, dim=-1, stable=True).indices[:, :k]
+    w = torch.gather(p, 1, order)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return {"weights": w, "ids": order.to(torch.int32)}
+
+
+def moe_experts(x, gate_up, down, weights, ids):
+    inter = down.shape[2]
+    y = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = x[tok] @ gate_up[e].T
+        h = (F.silu(gu[:, :inter]) * gu[:, inter:]) @ down[e].T
+        y.index_add_(0, tok, h * weights[tok, slot][:, None].to(h.dtype))
+    return {"y": y}
+
+
+def sigmoid_gate_add(a, b, g):
+    return {"y": a + torch.sigmoid(g) * b}
+
+
+def argmax(logits, domain):
+    return {"ids": logits[:, :domain].argmax(-1).to(torch.int32)}  # torch.argmax returns the first maximum
+
+
+REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
+                                      attn_qk_prep, kv_cache_write, paged_attention, gdn_conv, gdn_gates,
+                                      gdn_delta_rule, gdn_gated_norm, moe_topk, moe_experts, sigmoid_gate_add,
+                                      argmax)}

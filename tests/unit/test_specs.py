@@ -50,8 +50,8 @@ def test_duplicate_key(spec_tree):
 def test_unknown_key_lists_allowed(spec_tree):
     specs, _ = spec_tree
     edit(specs / "ops" / "add.yaml", lambda d: d.update(colour="red"))
-    fails(spec_tree, "ops/add.yaml: unknown key(s) colour (allowed: aliases, dims, dtypes, formula, inputs, notes, "
-                     "op, outputs, params, problem, reference, summary, tolerance)")
+    fails(spec_tree, "ops/add.yaml: unknown key(s) colour (allowed: aliases, constraints, dims, dtypes, formula, "
+                     "inputs, notes, op, outputs, params, problem, reference, states, summary, tolerance)")
 
 
 def test_unknown_dtype(spec_tree):
@@ -81,7 +81,7 @@ def test_unknown_template(spec_tree):
 def test_unknown_tolerance(spec_tree):
     specs, _ = spec_tree
     edit(specs / "ops" / "add.yaml", lambda d: d.update(tolerance="loose"))
-    fails(spec_tree, "ops/add.yaml: tolerance: unknown tolerance preset 'loose' (allowed: bf16_elementwise")
+    fails(spec_tree, "ops/add.yaml: tolerance: unknown tolerance preset 'loose' (allowed: attention_bf16, bf16_elementwise")
 
 
 def test_duplicate_route_name(spec_tree):
