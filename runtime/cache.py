@@ -1,0 +1,70 @@
+"""Sequence state memory, planned once at start-up: a paged KV pool per attention layer (pages shared
+by all sequences through per-sequence page lists) and a GDN conv/recurrent state slot per sequence.
+
+A request that could never fit is refused before it starts; pages and slots go back to the pool when
+a sequence ends, whatever ended it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .models.config import HybridConfig
+
+
+class CapacityError(RuntimeError):
+    """The request cannot fit the planned memory (context too long, or no free lane/pages)."""
+
+
+class SequenceCache:
+    def __init__(self, cfg: HybridConfig, *, max_seqs: int, max_context: int, page_size: int, device,
+                 dtype: torch.dtype, num_pages: int | None = None):
+        self.cfg, self.page_size, self.max_context, self.max_seqs = cfg, page_size, max_context, max_seqs
+        self.pages_per_seq = -(-max_context // page_size)
+        self.num_pages = num_pages or max_seqs * self.pages_per_seq
+        shape = (self.num_pages, page_size, cfg.kv_heads, cfg.head_dim)
+        self.kv = {i: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   for i in range(cfg.layers) if cfg.is_attention(i)}
+        # slot max_seqs is scratch for padding rows; real sequences use 0..max_seqs-1
+        self.gdn = {i: (torch.zeros(max_seqs + 1, cfg.conv_channels, cfg.conv_width - 1, dtype=dtype, device=device),
+                        torch.zeros(max_seqs + 1, cfg.v_heads, cfg.k_dim, cfg.v_dim, dtype=torch.float32, device=device))
+                    for i in range(cfg.layers) if not cfg.is_attention(i)}
+        self.free_pages = list(range(self.num_pages - 1, -1, -1))
+        self.free_slots = list(range(max_seqs - 1, -1, -1))
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in (*self.kv.values(), *self.gdn.values()) for t in pair)
+
+    def admit(self, total_tokens: int) -> None:
+        """Refuse up front what could never fit, whatever else is running."""
+        if total_tokens > self.max_context:
+            raise CapacityError(f"the request needs {total_tokens} tokens of context; the maximum is {self.max_context}")
+        if -(-total_tokens // self.page_size) > self.num_pages:
+            raise CapacityError(f"the request needs {-(-total_tokens // self.page_size)} KV pages; the pool has {self.num_pages}")
+
+    def open_slot(self) -> int:
+        if not self.free_slots:
+            raise CapacityError(f"all {self.max_seqs} sequence lanes are busy")
+        slot = self.free_slots.pop()
+        for conv, state in self.gdn.values():  # a new sequence starts from zero state
+            conv[slot].zero_()
+            state[slot].zero_()
+        return slot
+
+    def grow(self, pages: list[int], tokens: int) -> None:
+        """Make `pages` cover `tokens` positions, taking pages from the pool."""
+        need = -(-tokens // self.page_size) - len(pages)
+        if need > len(self.free_pages):
+            raise CapacityError(f"out of KV pages: need {need} more, {len(self.free_pages)} free")
+        for _ in range(max(need, 0)):
+            pages.append(self.free_pages.pop())
+
+    def release(self, slot: int | None, pages: list[int]) -> None:
+        if slot is not None:
+            self.free_slots.append(slot)
+        self.free_pages.extend(reversed(pages))
+        pages.clear()
+
+    @property
+    def in_use(self) -> tuple[int, int]:
+        """(busy lanes, used pages): both return to 0 when every sequence has ended."""
+        return self.max_seqs - len(self.free_slots), self.num_pages - len(self.free_pages)

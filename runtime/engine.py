@@ -1,0 +1,196 @@
+"""The engine: load an artifact, plan memory, and generate for a batch of sequences.
+
+Prefill runs in chunks (one sequence per step); decode runs every live sequence in one step. Both go
+through the model file of the artifact's family on the chosen backend.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .artifact import open_artifact
+from .cache import CapacityError, SequenceCache
+from .dispatch import backend as make_backend
+from .models import MODELS
+from .models.blocks import Step
+from .models.config import HybridConfig, parse_config
+
+KEEP_FP32 = ("gdn_A_log", "gdn_dt_bias")  # contract dtype f32 whatever the run dtype
+
+
+class EngineError(ValueError):
+    pass
+
+
+def load_weights(art, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every text-model tensor on `device`: direct formats copied in chunks from the mapping, quantized
+    formats decoded (their exact reconstruction) and cast to the run dtype."""
+    out = {}
+    for name, entry in art.tensors.items():
+        if set(entry.flags) & {"mtp", "visual"}:
+            continue
+        want = torch.float32 if entry.role in KEEP_FP32 else dtype
+        if entry.format in ("bf16", "fp32"):
+            t = art.to_device(name, device)
+        else:
+            t = torch.from_numpy(art.decode(name)).to(device)
+        out[name] = t.to(want).contiguous()
+    return out
+
+
+def token_domain(art, vocab: int) -> int:
+    """Ids the tokenizer can produce: real checkpoints pad the embedding past them (Qwen3.5: 248077 of
+    248320 rows) and padded rows must never be chosen. A tokenizer covering under half the rows is not
+    this model's (test fixtures), so then every row counts."""
+    try:
+        tok = json.loads(art.resource("tokenizer.json"))
+    except KeyError:
+        return vocab
+    ids = list(tok.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in tok.get("added_tokens", [])]
+    size = max(ids) + 1 if ids else 0
+    return min(vocab, size) if size >= vocab // 2 else vocab
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    max_new: int
+    stop_ids: frozenset
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)      # prompt + generated
+    finish_reason: str | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+
+class Engine:
+    def __init__(self, artifact_path, *, backend: str = "auto", max_context: int = 4096, max_seqs: int = 8,
+                 page_size: int = 16, prefill_chunk: int = 1024):
+        self.be = make_backend(backend)
+        self.device = torch.device("cuda" if self.be.name == "cuda" else "cpu")
+        # The reference backend computes in fp32 (the CPU oracle path); the generated kernels in bf16.
+        self.dtype = torch.bfloat16 if self.be.name == "cuda" else torch.float32
+        if prefill_chunk < 1 or max_context < 1 or not 1 <= max_seqs <= 8:
+            raise EngineError("prefill_chunk and max_context must be >= 1 and max_seqs within 1..8")
+        self.art = open_artifact(artifact_path)
+        self.cfg: HybridConfig = parse_config(self.art.resource("config.json"))
+        if self.cfg.family not in MODELS:
+            raise EngineError(f"no model file for family {self.cfg.family!r} (have: {', '.join(MODELS)})")
+        self.domain = token_domain(self.art, self.cfg.vocab)
+        self.weights = load_weights(self.art, self.device, self.dtype)
+        self.cache = SequenceCache(self.cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
+                                   device=self.device, dtype=self.dtype)
+        self.model = MODELS[self.cfg.family](self.cfg, self.weights, self.cache)
+        self.prefill_chunk = prefill_chunk
+
+    # -- steps -----------------------------------------------------------------------------------
+    def _step(self, seqs: list[Sequence], spans: list[tuple[int, int]], all_rows: bool = False,
+              hidden_out: list | None = None) -> torch.Tensor:
+        """Run tokens [a, b) of each sequence; return the logits of each sequence's last token
+        (of every token with all_rows)."""
+        ids, positions, token_seq, slot_mapping, qs = [], [], [], [], [0]
+        for s, (seq, (a, b)) in enumerate(zip(seqs, spans)):
+            self.cache.grow(seq.pages, b)
+            ids += seq.tokens[a:b]
+            positions += range(a, b)
+            token_seq += [s] * (b - a)
+            slot_mapping += [seq.pages[p // self.cache.page_size] * self.cache.page_size + p % self.cache.page_size
+                             for p in range(a, b)]
+            qs.append(qs[-1] + b - a)
+        width = max(len(seq.pages) for seq in seqs)
+        table = [seq.pages + [0] * (width - len(seq.pages)) for seq in seqs]
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)  # noqa: E731
+        step = Step(positions=i32(positions), token_seq=i32(token_seq), query_start=i32(qs),
+                    slot_mapping=i32(slot_mapping), block_table=i32(table), state_slots=i32([q.slot for q in seqs]))
+        rows = torch.arange(qs[-1], dtype=torch.int32, device=self.device) if all_rows else i32(qs[1:]) - 1
+        return self.model.forward(self.be, i32(ids), step, rows, hidden_out)
+
+    def _pick(self, logits: torch.Tensor) -> list[int]:
+        ids = torch.empty(logits.shape[0], dtype=torch.int32, device=self.device)
+        self.be.run("argmax", logits=logits, ids=ids, domain=self.domain)
+        return ids.tolist()
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        seq.tokens.append(token)
+        if token in seq.stop_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.generated) >= seq.max_new or len(seq.tokens) >= self.cache.max_context:
+            seq.finish_reason = "length"
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], *, max_new: int = 128, stop_ids=()) -> list[Sequence]:
+        """Greedy generation for a batch of prompts (each run alone gives the same tokens)."""
+        if not prompts or len(prompts) > self.cache.max_seqs:
+            raise EngineError(f"give 1..{self.cache.max_seqs} prompts, got {len(prompts)}")
+        seqs = []
+        for p in prompts:
+            self._validate(p)
+            self.cache.admit(len(p) + (1 if max_new > 0 else 0))  # generation stops at the context limit
+            seqs.append(Sequence(list(p), max_new, frozenset(stop_ids), tokens=list(p)))
+        try:
+            for seq in seqs:
+                seq.slot = self.cache.open_slot()
+            for seq in seqs:
+                t0 = time.perf_counter()
+                n = len(seq.prompt)
+                for a in range(0, n, self.prefill_chunk):
+                    logits = self._step([seq], [(a, min(a + self.prefill_chunk, n))])
+                if max_new > 0:
+                    self._accept(seq, self._pick(logits)[0])
+                else:
+                    seq.finish_reason = "length"
+                seq.prefill_s = seq.ttft_s = time.perf_counter() - t0
+            while live := [s for s in seqs if s.finish_reason is None]:
+                t0 = time.perf_counter()
+                logits = self._step(live, [(len(s.tokens) - 1, len(s.tokens)) for s in live])
+                for seq, tok in zip(live, self._pick(logits)):
+                    self._accept(seq, tok)
+                dt = time.perf_counter() - t0
+                for seq in live:
+                    seq.decode_s += dt
+        finally:
+            for seq in seqs:
+                self.cache.release(seq.slot, seq.pages)
+                seq.slot = None
+        return seqs
+
+    def score(self, ids: list[int], *, hidden_out: list | None = None) -> torch.Tensor:
+        """Logits [len(ids), V] at every position of one sequence (chunked prefill): perplexity, KL, tests.
+        With hidden_out, the residual stream after each layer is appended to it (one [n, H] per layer)."""
+        self._validate(ids)
+        self.cache.admit(len(ids))
+        seq = Sequence(list(ids), 0, frozenset(), tokens=list(ids))
+        out, per_layer = [], []
+        try:
+            seq.slot = self.cache.open_slot()
+            for a in range(0, len(ids), self.prefill_chunk):
+                got = [] if hidden_out is not None else None
+                out.append(self._step([seq], [(a, min(a + self.prefill_chunk, len(ids)))], True, got))
+                per_layer.append(got)
+        finally:
+            self.cache.release(seq.slot, seq.pages)
+        if hidden_out is not None:
+            hidden_out.extend(torch.cat(layer, 0) for layer in zip(*per_layer))
+        return torch.cat(out, 0)
+
+    def _validate(self, ids: list[int]) -> None:
+        if not ids:
+            raise EngineError("empty prompt: at least one token is needed")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.domain]
+        if bad:
+            raise EngineError(f"token id {bad[0]} is outside the vocabulary (valid ids: 0..{self.domain - 1})")
+
+    def close(self) -> None:
+        self.art.close()
+
+
+__all__ = ["Engine", "EngineError", "CapacityError", "Sequence"]

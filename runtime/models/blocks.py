@@ -1,0 +1,138 @@
+"""The building blocks of the Qwen hybrid decoders, each a short sequence of dispatched ops.
+
+A block holds its weights (device tensors) and runs on a backend (`cuda` kernels or the torch
+`reference`) through `be.run(op, ...)`; nothing here does math itself. Activations are token-major
+[T, width]; a step's per-token and per-sequence metadata lives in `Step`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import HybridConfig
+
+
+@dataclass
+class Step:
+    """One forward step over T tokens from S sequences (each sequence's tokens contiguous and in order)."""
+    positions: torch.Tensor      # [T] i32 position of each token in its sequence
+    token_seq: torch.Tensor      # [T] i32 index (0..S-1) of each token's sequence
+    query_start: torch.Tensor    # [S+1] i32 token offsets of the sequences
+    slot_mapping: torch.Tensor   # [T] i32 KV-cache slot (page * page_size + offset) of each token
+    block_table: torch.Tensor    # [S, MB] i32 KV pages of each sequence
+    state_slots: torch.Tensor    # [S] i32 GDN state slot of each sequence
+
+
+def new(like: torch.Tensor, *shape, dtype=None) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype or like.dtype, device=like.device)
+
+
+def linear(be, x, w):
+    y = new(x, x.shape[0], w.shape[0])
+    be.run("linear", x=x, w=w, y=y)
+    return y
+
+
+def rms_norm_zc(be, x, w, eps):
+    y = torch.empty_like(x)
+    be.run("rms_norm_zc", x=x, w=w, y=y, eps=eps)
+    return y
+
+
+def add_(be, h, b):
+    be.run("add", a=h, b=b, y=h)
+
+
+class GatedAttention:
+    """Qwen3.5 gated full attention: fused q|gate,k,v projection, q/k zero-centred norm, partial RoPE,
+    causal GQA over the paged KV cache, output × sigmoid(gate), o_proj."""
+
+    def __init__(self, cfg: HybridConfig, w: dict, layer: int, kv_cache: tuple):
+        p = f"layers.{layer}.attn."
+        self.cfg, self.qkv, self.q_norm, self.k_norm, self.o = cfg, w[p + "qkv"], w[p + "q_norm"], w[p + "k_norm"], w[p + "o"]
+        self.k_cache, self.v_cache = kv_cache
+
+    def __call__(self, be, x, step: Step):
+        c = self.cfg
+        T = x.shape[0]
+        qkv = linear(be, x, self.qkv)
+        q, gate = new(x, T, c.heads, c.head_dim), new(x, T, c.heads, c.head_dim)
+        k, v = new(x, T, c.kv_heads, c.head_dim), new(x, T, c.kv_heads, c.head_dim)
+        be.run("attn_qk_prep", qkv=qkv, positions=step.positions, q_norm=self.q_norm, k_norm=self.k_norm,
+               q=q, gate=gate, k=k, v=v, theta=c.rope_theta, rotary_dim=c.rotary_dim, eps=c.eps)
+        be.run("kv_cache_write", k=k, v=v, slot_mapping=step.slot_mapping, k_cache=self.k_cache, v_cache=self.v_cache)
+        o = torch.empty_like(q)
+        be.run("paged_attention", q=q, k_cache=self.k_cache, v_cache=self.v_cache, block_table=step.block_table,
+               token_seq=step.token_seq, positions=step.positions, o=o, scale=c.head_dim ** -0.5)
+        be.run("sigmoid_mul", x=o.view(T, -1), g=gate.view(T, -1), y=o.view(T, -1))
+        return linear(be, o.view(T, -1), self.o)
+
+
+class GatedDeltaNet:
+    """Gated DeltaNet: qkv/z/b/a projections, causal conv + SiLU (conv state), gates, the delta rule
+    (fp32 recurrent state), gated RMSNorm, out_proj."""
+
+    def __init__(self, cfg: HybridConfig, w: dict, layer: int, conv_state, state):
+        p = f"layers.{layer}.gdn."
+        self.cfg = cfg
+        self.in_qkv, self.in_z, self.in_b, self.in_a = w[p + "in_qkv"], w[p + "in_z"], w[p + "in_b"], w[p + "in_a"]
+        self.conv, self.A_log, self.dt_bias = w[p + "conv"], w[p + "A_log"], w[p + "dt_bias"]
+        self.norm, self.out = w[p + "norm"], w[p + "out"]
+        self.conv_state, self.state = conv_state, state
+
+    def __call__(self, be, x, step: Step):
+        c = self.cfg
+        T = x.shape[0]
+        mixed = linear(be, x, self.in_qkv)
+        z, b, a = linear(be, x, self.in_z), linear(be, x, self.in_b), linear(be, x, self.in_a)
+        qkv = torch.empty_like(mixed)
+        be.run("gdn_conv", x=mixed, w=self.conv, query_start=step.query_start, slots=step.state_slots,
+               conv_state=self.conv_state, y=qkv)
+        g, beta = new(x, T, c.v_heads, dtype=torch.float32), new(x, T, c.v_heads, dtype=torch.float32)
+        be.run("gdn_gates", a=a, b=b, A_log=self.A_log, dt_bias=self.dt_bias, g=g, beta=beta)
+        o = new(x, T, c.v_heads, c.v_dim)
+        be.run("gdn_delta_rule", qkv=qkv, g=g, beta=beta, query_start=step.query_start, slots=step.state_slots,
+               state=self.state, o=o, num_k_heads=c.k_heads, scale=c.k_dim ** -0.5)
+        y = torch.empty_like(o)
+        be.run("gdn_gated_norm", o=o, z=z.view(T, c.v_heads, c.v_dim), w=self.norm, y=y, eps=c.eps)
+        return linear(be, y.view(T, -1), self.out)
+
+
+class DenseMLP:
+    """SwiGLU over a fused [gate | up] projection."""
+
+    def __init__(self, w: dict, prefix: str):
+        self.gate_up, self.down = w[prefix + "gate_up"], w[prefix + "down"]
+
+    def __call__(self, be, x):
+        gu = linear(be, x, self.gate_up)
+        act = new(x, x.shape[0], gu.shape[1] // 2)
+        be.run("silu_and_mul", x=gu, y=act)
+        return linear(be, act, self.down)
+
+
+class SparseMoE:
+    """Softmax router over all experts, top-k (renormalised), routed SwiGLU experts, plus the shared
+    expert scaled by sigmoid(shared_gate · x)."""
+
+    def __init__(self, cfg: HybridConfig, w: dict, layer: int):
+        p = f"layers.{layer}.mlp."
+        self.cfg = cfg
+        self.router, self.gate_up, self.down = w[p + "router"], w[p + "experts.gate_up"], w[p + "experts.down"]
+        self.shared = DenseMLP(w, p + "shared.")
+        self.shared_gate = w[p + "shared.gate"]
+
+    def __call__(self, be, x):
+        c = self.cfg
+        T = x.shape[0]
+        logits = linear(be, x, self.router)
+        weights = new(x, T, c.experts_per_token, dtype=torch.float32)
+        ids = new(x, T, c.experts_per_token, dtype=torch.int32)
+        be.run("moe_topk", logits=logits, weights=weights, ids=ids, renormalize=int(c.renormalize_topk))
+        y = torch.empty_like(x)
+        be.run("moe_experts", x=x, gate_up=self.gate_up, down=self.down, weights=weights, ids=ids, y=y)
+        shared = self.shared(be, x)
+        g = linear(be, x, self.shared_gate)
+        be.run("sigmoid_gate_add", a=y, b=shared, g=g, y=y)
+        return y

@@ -1,0 +1,124 @@
+"""The models against transformers 5.24 (fp32, CPU): tiny random checkpoints saved by transformers,
+converted to fp32 artifacts, run on the reference backend. Per-layer activations and logits within the
+model_fp32 tolerance for several prefill chunkings; greedy generation token-identical; batching changes
+nothing; bad requests are refused and leave the lanes and pages free."""
+import json
+
+import pytest
+import torch
+
+from ninfer.runtime.cache import CapacityError
+from ninfer.runtime.convert import convert, plan_conversion
+from ninfer.runtime.engine import Engine, EngineError
+from ninfer.runtime.manifest import Manifest
+from ninfer.runtime.tolerance import compare
+from tests.fixtures.tiny_checkpoints import build
+
+KINDS = ["dense", "dense_vlm", "moe", "moe_fused", "next"]
+HF_CLASS = {"dense": "Qwen3_5ForCausalLM", "dense_vlm": "Qwen3_5ForCausalLM", "moe": "Qwen3_5MoeForCausalLM",
+            "moe_fused": "Qwen3_5MoeForCausalLM", "next": "Qwen3NextForCausalLM"}
+PRESET = Manifest.load().tolerances["model_fp32"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("oracle")
+
+
+@pytest.fixture(scope="module")
+def models(root):
+    """kind -> (HF model, artifact path), built lazily."""
+    import transformers
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            d = build(kind, root / "ckpt")
+            out = root / f"{kind}.ninfer"
+            convert(plan_conversion(d, fmt="fp32"), out)
+            hf = getattr(transformers, HF_CLASS[kind]).from_pretrained(d, dtype=torch.float32).eval()
+            cache[kind] = (hf, out)
+        return cache[kind]
+    return get
+
+
+def prompt(n, seed):
+    return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunk", [1, 7, 1024])
+def test_layers_and_logits_match(models, kind, chunk):
+    hf, art = models(kind)
+    ids = prompt(37, 1)
+    eng = Engine(art, backend="reference", max_context=128, prefill_chunk=chunk)
+    hidden = []
+    logits = eng.score(ids, hidden_out=hidden)
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_hidden_states=True)
+    for i in range(eng.cfg.layers - 1):  # transformers' last hidden state is already final-normed
+        v = compare(hidden[i], out.hidden_states[i + 1][0], PRESET, f"{kind} layer {i}")
+        assert v, v.detail
+    v = compare(logits, out.logits[0], PRESET, f"{kind} logits")
+    assert v, v.detail
+    assert eng.cache.in_use == (0, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [1, 20])
+def test_greedy_64_tokens_identical(models, kind, n):
+    hf, art = models(kind)
+    ids = prompt(n, 100 + n)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)[0, n:].tolist()
+    eng = Engine(art, backend="reference", max_context=256, prefill_chunk=5)
+    seq = eng.generate([ids], max_new=64)[0]
+    assert seq.generated == ref
+    assert seq.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_batch_of_8_equals_each_alone(models, kind):
+    _, art = models(kind)
+    prompts = [prompt(3 + 5 * i, 200 + i) for i in range(8)]
+    eng = Engine(art, backend="reference", max_context=128, max_seqs=8, prefill_chunk=16)
+    batched = [s.generated for s in eng.generate(prompts, max_new=12)]
+    alone = [eng.generate([p], max_new=12)[0].generated for p in prompts]
+    assert batched == alone
+    assert eng.cache.in_use == (0, 0)
+
+
+def test_stop_token_ends_generation(models):
+    _, art = models("dense")
+    eng = Engine(art, backend="reference", max_context=128)
+    ids = prompt(9, 7)
+    free = eng.generate([ids], max_new=10)[0].generated
+    seq = eng.generate([ids], max_new=10, stop_ids={free[3]})[0]
+    assert seq.generated == free[: free.index(free[3]) + 1] and seq.finish_reason == "stop"
+
+
+def test_bad_requests_are_refused_and_nothing_leaks(models):
+    _, art = models("dense")
+    eng = Engine(art, backend="reference", max_context=32, max_seqs=2)
+    with pytest.raises(EngineError, match="empty prompt"):
+        eng.generate([[]])
+    with pytest.raises(EngineError, match=r"token id 1024 is outside the vocabulary \(valid ids: 0..1023\)"):
+        eng.generate([[1, 2, 1024]])
+    with pytest.raises(CapacityError, match="the request needs 41 tokens of context; the maximum is 32"):
+        eng.generate([list(range(40))])
+    with pytest.raises(EngineError, match="give 1..2 prompts, got 3"):
+        eng.generate([[1], [2], [3]])
+    assert eng.cache.in_use == (0, 0)
+    seq = eng.generate([list(range(30))], max_new=50)[0]  # generation stops at the context limit
+    assert len(seq.tokens) == 32 and seq.finish_reason == "length"
+    assert eng.cache.in_use == (0, 0)
+
+
+def test_unknown_family_is_refused(root, models, tmp_path):
+    from ninfer.runtime.artifact import open_artifact
+    from ninfer.runtime.models.config import ConfigError, parse_config
+    _, art = models("dense")
+    cfg = json.loads(open_artifact(art).resource("config.json"))
+    cfg["model_type"] = "llama"
+    with pytest.raises(ConfigError, match="unknown model_type 'llama'"):
+        parse_config(json.dumps(cfg))
