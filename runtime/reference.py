@@ -171,7 +171,45 @@ def argmax(logits, domain):
     return {"ids": logits[:, :domain].argmax(-1).to(torch.int32)}  # torch.argmax returns the first maximum
 
 
+_M64 = (1 << 64) - 1
+
+
+def rng_uniform(seed: int, counter: int) -> float:
+    """The sample op's counter-based uniform in [0, 1) (splitmix64 finaliser, 24 bits)."""
+    z = ((seed & 0xFFFFFFFF) + (counter + 1) * 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z ^= z >> 31
+    return (z >> 40) / float(1 << 24)
+
+
+def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency, seed, counter, domain):
+    ids = torch.empty(logits.shape[0], dtype=torch.int32, device=logits.device)
+    for t in range(logits.shape[0]):
+        c = counts[t, :domain].to(torch.float64)
+        l = logits[t, :domain].to(torch.float64) - presence[t].item() * (c > 0) - frequency[t].item() * c
+        temp = temperature[t].item()
+        if temp <= 0:
+            ids[t] = int(l.argmax())
+            continue
+        p = torch.softmax(l / temp, dim=0)
+        order = torch.sort(-p, stable=True).indices      # p desc, id asc
+        ps = p[order]
+        keep = len(ps)
+        if top_k[t].item() > 0:
+            keep = min(keep, int(top_k[t]))
+        if top_p[t].item() < 1:
+            reach = int((torch.cumsum(ps[:keep], 0) < top_p[t].item()).sum()) + 1
+            keep = min(keep, max(reach, 1))
+        if min_p[t].item() > 0:
+            keep = max(1, min(keep, int((ps[:keep] >= min_p[t].item() * ps[0]).sum())))
+        run = torch.cumsum(ps[:keep], 0)
+        u = rng_uniform(int(seed[t]), int(counter[t])) * run[-1].item()
+        ids[t] = int(order[min(int((run <= u).sum()), keep - 1)])
+    return {"ids": ids}
+
+
 REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
                                       attn_qk_prep, kv_cache_write, paged_attention, gdn_conv, gdn_gates,
                                       gdn_delta_rule, gdn_gated_norm, moe_topk, moe_experts, sigmoid_gate_add,
-                                      argmax)}
+                                      argmax, sample)}
