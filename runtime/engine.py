@@ -6,6 +6,7 @@ through the model file of the artifact's family on the chosen backend.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -54,11 +55,35 @@ def token_domain(art, vocab: int) -> int:
     return min(vocab, size) if size >= vocab // 2 else vocab
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling (the `sample` op's contract). temperature <= 0 is greedy."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def check(self) -> "SamplingParams":
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
+            raise EngineError("sampling: temperature >= 0, top_k >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1 are required")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise EngineError("sampling: presence and frequency penalties must lie in [-2, 2]")
+        return self
+
+
+GREEDY = SamplingParams()
+
+
 @dataclass
 class Sequence:
     prompt: list[int]
     max_new: int
     stop_ids: frozenset
+    sampling: SamplingParams = GREEDY
+    seed: int = 0
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)      # prompt + generated
@@ -90,6 +115,8 @@ class Engine:
         self.cache = SequenceCache(self.cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
                                    device=self.device, dtype=self.dtype)
         self.model = MODELS[self.cfg.family](self.cfg, self.weights, self.cache)
+        # generated-token counts per lane, for the presence/frequency penalties of `sample`
+        self._counts = torch.zeros(max_seqs, self.cfg.vocab, dtype=torch.int32, device=self.device)
         self.prefill_chunk = prefill_chunk
 
     # -- steps -----------------------------------------------------------------------------------
@@ -114,45 +141,66 @@ class Engine:
         rows = torch.arange(qs[-1], dtype=torch.int32, device=self.device) if all_rows else i32(qs[1:]) - 1
         return self.model.forward(self.be, i32(ids), step, rows, hidden_out)
 
-    def _pick(self, logits: torch.Tensor) -> list[int]:
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         ids = torch.empty(logits.shape[0], dtype=torch.int32, device=self.device)
-        self.be.run("argmax", logits=logits, ids=ids, domain=self.domain)
+        if all(s.sampling.temperature <= 0 and not s.sampling.presence_penalty and not s.sampling.frequency_penalty
+               for s in seqs):
+            self.be.run("argmax", logits=logits, ids=ids, domain=self.domain)
+            return ids.tolist()
+        f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=self.device)  # noqa: E731
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)  # noqa: E731
+        sp = [s.sampling for s in seqs]
+        self.be.run("sample", logits=logits, counts=self._counts[[s.slot for s in seqs]],
+                    temperature=f32([p.temperature for p in sp]), top_k=i32([p.top_k for p in sp]),
+                    top_p=f32([p.top_p for p in sp]), min_p=f32([p.min_p for p in sp]),
+                    presence=f32([p.presence_penalty for p in sp]), frequency=f32([p.frequency_penalty for p in sp]),
+                    seed=i32([((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for s in seqs]),  # 32-bit
+                    counter=i32([len(s.generated) for s in seqs]), ids=ids, domain=self.domain)
         return ids.tolist()
 
     def _accept(self, seq: Sequence, token: int) -> None:
         seq.tokens.append(token)
+        self._counts[seq.slot, token] += 1
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
         elif len(seq.generated) >= seq.max_new or len(seq.tokens) >= self.cache.max_context:
             seq.finish_reason = "length"
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], *, max_new: int = 128, stop_ids=()) -> list[Sequence]:
-        """Greedy generation for a batch of prompts (each run alone gives the same tokens)."""
+    def generate(self, prompts: list[list[int]], *, max_new: int = 128, stop_ids=(),
+                 sampling: SamplingParams | list[SamplingParams] = GREEDY) -> list[Sequence]:
+        """Generate for a batch of prompts; each sequence's tokens depend only on its own prompt, sampling
+        params and seed (a batch gives the same tokens as each prompt alone)."""
         if not prompts or len(prompts) > self.cache.max_seqs:
             raise EngineError(f"give 1..{self.cache.max_seqs} prompts, got {len(prompts)}")
+        if max_new < 0:
+            raise EngineError(f"max_new must be >= 0, got {max_new}")
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         seqs = []
-        for p in prompts:
+        for p, sp in zip(prompts, params, strict=True):
             self._validate(p)
             self.cache.admit(len(p) + (1 if max_new > 0 else 0))  # generation stops at the context limit
-            seqs.append(Sequence(list(p), max_new, frozenset(stop_ids), tokens=list(p)))
+            sp.check()
+            seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
+            seqs.append(Sequence(list(p), max_new, frozenset(stop_ids), sp, seed, tokens=list(p)))
         try:
             for seq in seqs:
                 seq.slot = self.cache.open_slot()
+                self._counts[seq.slot].zero_()
             for seq in seqs:
                 t0 = time.perf_counter()
                 n = len(seq.prompt)
                 for a in range(0, n, self.prefill_chunk):
                     logits = self._step([seq], [(a, min(a + self.prefill_chunk, n))])
                 if max_new > 0:
-                    self._accept(seq, self._pick(logits)[0])
+                    self._accept(seq, self._pick(logits, [seq])[0])
                 else:
                     seq.finish_reason = "length"
                 seq.prefill_s = seq.ttft_s = time.perf_counter() - t0
             while live := [s for s in seqs if s.finish_reason is None]:
                 t0 = time.perf_counter()
                 logits = self._step(live, [(len(s.tokens) - 1, len(s.tokens)) for s in live])
-                for seq, tok in zip(live, self._pick(logits)):
+                for seq, tok in zip(live, self._pick(logits, live)):
                     self._accept(seq, tok)
                 dt = time.perf_counter() - t0
                 for seq in live:
