@@ -86,6 +86,7 @@ class Sequence:
     seed: int = 0
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
+    prefilled: int = 0                                   # prompt tokens already run
     tokens: list[int] = field(default_factory=list)      # prompt + generated
     finish_reason: str | None = None
     prefill_s: float = 0.0
@@ -167,48 +168,78 @@ class Engine:
             seq.finish_reason = "length"
 
     # -- generation ------------------------------------------------------------------------------
+    # -- the step API a scheduler drives: open -> prefill (chunk by chunk) -> decode (batched) -> release --
+    def open(self, prompt: list[int], *, max_new: int = 128, stop_ids=(), sampling: SamplingParams = GREEDY) -> Sequence:
+        """Validate and admit one request and give it a lane (raises EngineError/CapacityError, holding nothing)."""
+        if max_new < 0:
+            raise EngineError(f"max_new must be >= 0, got {max_new}")
+        self._validate(prompt)
+        self.cache.admit(len(prompt) + (1 if max_new > 0 else 0))  # generation stops at the context limit
+        sampling.check()
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+        seq = Sequence(list(prompt), max_new, frozenset(stop_ids), sampling, seed, tokens=list(prompt))
+        seq.slot = self.cache.open_slot()
+        self._counts[seq.slot].zero_()
+        return seq
+
+    def prefill(self, seq: Sequence) -> bool:
+        """Run the next prompt chunk; after the last one, choose the first token. True when prefill is done."""
+        t0 = time.perf_counter()
+        n, a = len(seq.prompt), seq.prefilled
+        b = min(a + self.prefill_chunk, n)
+        logits = self._step([seq], [(a, b)])
+        seq.prefilled = b
+        if b == n:
+            if seq.max_new > 0:
+                self._accept(seq, self._pick(logits, [seq])[0])
+            else:
+                seq.finish_reason = "length"
+        seq.prefill_s += time.perf_counter() - t0
+        if b == n:
+            seq.ttft_s = seq.prefill_s
+        return b == n
+
+    def decode(self, seqs: list[Sequence]) -> None:
+        """One decode step for every given sequence (prefilled, unfinished): each gets one more token."""
+        t0 = time.perf_counter()
+        logits = self._step(seqs, [(len(s.tokens) - 1, len(s.tokens)) for s in seqs])
+        for seq, tok in zip(seqs, self._pick(logits, seqs)):
+            self._accept(seq, tok)
+        dt = time.perf_counter() - t0
+        for seq in seqs:
+            seq.decode_s += dt
+
+    def release(self, seq: Sequence) -> None:
+        """Return the sequence's lane and KV pages to the pool (idempotent; call it however the request ended)."""
+        if seq.slot is not None or seq.pages:
+            self.cache.release(seq.slot, seq.pages)
+            seq.slot = None
+
     def generate(self, prompts: list[list[int]], *, max_new: int = 128, stop_ids=(),
                  sampling: SamplingParams | list[SamplingParams] = GREEDY) -> list[Sequence]:
         """Generate for a batch of prompts; each sequence's tokens depend only on its own prompt, sampling
         params and seed (a batch gives the same tokens as each prompt alone)."""
         if not prompts or len(prompts) > self.cache.max_seqs:
             raise EngineError(f"give 1..{self.cache.max_seqs} prompts, got {len(prompts)}")
-        if max_new < 0:
-            raise EngineError(f"max_new must be >= 0, got {max_new}")
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        seqs = []
-        for p, sp in zip(prompts, params, strict=True):
+        if len(params) != len(prompts):
+            raise EngineError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for p, sp in zip(prompts, params):  # refuse any bad request before taking lanes
             self._validate(p)
-            self.cache.admit(len(p) + (1 if max_new > 0 else 0))  # generation stops at the context limit
+            self.cache.admit(len(p) + (1 if max_new > 0 else 0))
             sp.check()
-            seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
-            seqs.append(Sequence(list(p), max_new, frozenset(stop_ids), sp, seed, tokens=list(p)))
+        seqs = []
         try:
+            for p, sp in zip(prompts, params):
+                seqs.append(self.open(p, max_new=max_new, stop_ids=stop_ids, sampling=sp))
             for seq in seqs:
-                seq.slot = self.cache.open_slot()
-                self._counts[seq.slot].zero_()
-            for seq in seqs:
-                t0 = time.perf_counter()
-                n = len(seq.prompt)
-                for a in range(0, n, self.prefill_chunk):
-                    logits = self._step([seq], [(a, min(a + self.prefill_chunk, n))])
-                if max_new > 0:
-                    self._accept(seq, self._pick(logits, [seq])[0])
-                else:
-                    seq.finish_reason = "length"
-                seq.prefill_s = seq.ttft_s = time.perf_counter() - t0
+                while not self.prefill(seq):
+                    pass
             while live := [s for s in seqs if s.finish_reason is None]:
-                t0 = time.perf_counter()
-                logits = self._step(live, [(len(s.tokens) - 1, len(s.tokens)) for s in live])
-                for seq, tok in zip(live, self._pick(logits, live)):
-                    self._accept(seq, tok)
-                dt = time.perf_counter() - t0
-                for seq in live:
-                    seq.decode_s += dt
+                self.decode(live)
         finally:
             for seq in seqs:
-                self.cache.release(seq.slot, seq.pages)
-                seq.slot = None
+                self.release(seq)
         return seqs
 
     def score(self, ids: list[int], *, hidden_out: list | None = None) -> torch.Tensor:
@@ -241,4 +272,4 @@ class Engine:
         self.art.close()
 
 
-__all__ = ["Engine", "EngineError", "CapacityError", "Sequence"]
+__all__ = ["Engine", "EngineError", "CapacityError", "Sequence", "SamplingParams", "GREEDY"]
