@@ -68,3 +68,28 @@ class SequenceCache:
     def in_use(self) -> tuple[int, int]:
         """(busy lanes, used pages): both return to 0 when every sequence has ended."""
         return self.max_seqs - len(self.free_slots), self.num_pages - len(self.free_pages)
+
+
+def plan_kv_pages(cfg: HybridConfig, device, dtype, max_seqs: int, max_context: int, page_size: int,
+                  prefill_chunk: int, kv_capacity: str | int = "auto") -> int:
+    """KV pages to allocate: every lane at full context when that fits; with `auto` on a GPU, what is left
+    after the weights, the GDN states and a workspace reserve. Refuses a context that cannot fit once."""
+    pages_per_seq = -(-max_context // page_size)
+    want = max_seqs * pages_per_seq
+    if kv_capacity != "auto":
+        return max(int(kv_capacity), 1)
+    if torch.device(device).type != "cuda":
+        return want
+    attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
+    page_bytes = 2 * attn_layers * page_size * cfg.kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    gdn_bytes = (cfg.layers - attn_layers) * (max_seqs + 1) * (
+        cfg.v_heads * cfg.k_dim * cfg.v_dim * 4 + cfg.conv_channels * (cfg.conv_width - 1) * 2)
+    free, _ = torch.cuda.mem_get_info(device)
+    # activations of the largest prefill chunk (a few [chunk, widest projection] buffers) plus headroom
+    widest = max(cfg.intermediate * 2, cfg.conv_channels, cfg.experts * 2 * max(cfg.expert_intermediate, 1), cfg.vocab // 8)
+    reserve = (1 << 30) + 8 * prefill_chunk * max(widest, cfg.hidden) * 2
+    fit = (free - gdn_bytes - reserve) // page_bytes
+    if fit < pages_per_seq:
+        raise CapacityError(f"--max-context {max_context} does not fit: after the weights, GDN states and a "
+                            f"{reserve >> 20} MiB workspace, {max(fit, 0) * page_size} tokens of KV fit in GPU memory")
+    return int(min(want, fit))

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .artifact import open_artifact
-from .cache import CapacityError, SequenceCache
+from .cache import CapacityError, SequenceCache, plan_kv_pages
+from .decode_graph import DecodeGraphs
 from .dispatch import backend as make_backend
 from .models import MODELS
 from .models.blocks import Step
@@ -100,25 +101,53 @@ class Sequence:
 
 class Engine:
     def __init__(self, artifact_path, *, backend: str = "auto", max_context: int = 4096, max_seqs: int = 8,
-                 page_size: int = 16, prefill_chunk: int = 1024):
-        self.be = make_backend(backend)
-        self.device = torch.device("cuda" if self.be.name == "cuda" else "cpu")
-        # The reference backend computes in fp32 (the CPU oracle path); the generated kernels in bf16.
-        self.dtype = torch.bfloat16 if self.be.name == "cuda" else torch.float32
+                 page_size: int = 16, prefill_chunk: int = 1024, kv_capacity: str | int = "auto",
+                 cuda_graphs: bool = True):
+        be = make_backend(backend)
+        self.art = open_artifact(artifact_path)
+        try:
+            cfg = parse_config(self.art.resource("config.json"))
+            device = torch.device("cuda" if be.name == "cuda" else "cpu")
+            # The reference backend computes in fp32 (the CPU oracle path); the generated kernels in bf16.
+            weights = load_weights(self.art, device, torch.bfloat16 if be.name == "cuda" else torch.float32)
+            self._setup(be, cfg, weights, token_domain(self.art, cfg.vocab), max_context=max_context,
+                        max_seqs=max_seqs, page_size=page_size, prefill_chunk=prefill_chunk,
+                        kv_capacity=kv_capacity, cuda_graphs=cuda_graphs)
+        except BaseException:
+            self.art.close()
+            raise
+
+    @classmethod
+    def from_weights(cls, cfg: HybridConfig, weights: dict, *, backend: str = "auto", domain: int | None = None,
+                     **options) -> "Engine":
+        """An engine over weights already in memory (synthetic-weight benchmarks at real shapes)."""
+        self = cls.__new__(cls)
+        self.art = None
+        self._setup(make_backend(backend), cfg, weights, domain or cfg.vocab, **options)
+        return self
+
+    def _setup(self, be, cfg: HybridConfig, weights: dict, domain: int, *, max_context: int = 4096,
+               max_seqs: int = 8, page_size: int = 16, prefill_chunk: int = 1024, kv_capacity: str | int = "auto",
+               cuda_graphs: bool = True) -> None:
         if prefill_chunk < 1 or max_context < 1 or not 1 <= max_seqs <= 8:
             raise EngineError("prefill_chunk and max_context must be >= 1 and max_seqs within 1..8")
-        self.art = open_artifact(artifact_path)
-        self.cfg: HybridConfig = parse_config(self.art.resource("config.json"))
-        if self.cfg.family not in MODELS:
-            raise EngineError(f"no model file for family {self.cfg.family!r} (have: {', '.join(MODELS)})")
-        self.domain = token_domain(self.art, self.cfg.vocab)
-        self.weights = load_weights(self.art, self.device, self.dtype)
-        self.cache = SequenceCache(self.cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
-                                   device=self.device, dtype=self.dtype)
-        self.model = MODELS[self.cfg.family](self.cfg, self.weights, self.cache)
+        if cfg.family not in MODELS:
+            raise EngineError(f"no model file for family {cfg.family!r} (have: {', '.join(MODELS)})")
+        self.be, self.cfg, self.weights, self.domain = be, cfg, weights, domain
+        self.device = torch.device("cuda" if be.name == "cuda" else "cpu")
+        self.dtype = torch.bfloat16 if be.name == "cuda" else torch.float32
+        num_pages = plan_kv_pages(cfg, self.device, self.dtype, max_seqs, max_context, page_size, prefill_chunk,
+                                  kv_capacity)
+        self.cache = SequenceCache(cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
+                                   device=self.device, dtype=self.dtype, num_pages=num_pages)
+        try:
+            self.model = MODELS[cfg.family](cfg, weights, self.cache)
+        except KeyError as e:
+            raise EngineError(f"the artifact lacks tensor {e.args[0]!r}, which the {cfg.family} model needs") from None
         # generated-token counts per lane, for the presence/frequency penalties of `sample`
-        self._counts = torch.zeros(max_seqs, self.cfg.vocab, dtype=torch.int32, device=self.device)
+        self._counts = torch.zeros(max_seqs, cfg.vocab, dtype=torch.int32, device=self.device)
         self.prefill_chunk = prefill_chunk
+        self.graphs = DecodeGraphs(self) if be.name == "cuda" and cuda_graphs else None
 
     # -- steps -----------------------------------------------------------------------------------
     def _step(self, seqs: list[Sequence], spans: list[tuple[int, int]], all_rows: bool = False,
@@ -202,8 +231,13 @@ class Engine:
     def decode(self, seqs: list[Sequence]) -> None:
         """One decode step for every given sequence (prefilled, unfinished): each gets one more token."""
         t0 = time.perf_counter()
-        logits = self._step(seqs, [(len(s.tokens) - 1, len(s.tokens)) for s in seqs])
-        for seq, tok in zip(seqs, self._pick(logits, seqs)):
+        if self.graphs is not None:
+            for seq in seqs:
+                self.cache.grow(seq.pages, len(seq.tokens))
+            picked = self.graphs.run(seqs)
+        else:
+            picked = self._pick(self._step(seqs, [(len(s.tokens) - 1, len(s.tokens)) for s in seqs]), seqs)
+        for seq, tok in zip(seqs, picked):
             self._accept(seq, tok)
         dt = time.perf_counter() - t0
         for seq in seqs:
@@ -269,7 +303,8 @@ class Engine:
             raise EngineError(f"token id {bad[0]} is outside the vocabulary (valid ids: 0..{self.domain - 1})")
 
     def close(self) -> None:
-        self.art.close()
+        if self.art is not None:
+            self.art.close()
 
 
 __all__ = ["Engine", "EngineError", "CapacityError", "Sequence", "SamplingParams", "GREEDY"]
