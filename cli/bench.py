@@ -172,5 +172,120 @@ def ops_cmd(ops, reps, json_out) -> None:
     bench_ops(ops, reps, json_out)
 
 
+def _model_figures(cfg, n_prompt_tokens: int) -> dict:
+    """FLOPs per prompt token (weights + causal attention at this length) and decode bytes per step."""
+    from ninfer.runtime.synthetic import weight_shapes
+    shapes = weight_shapes(cfg)
+    matmul_params = sum(int(torch_prod(s)) for n, s in shapes.items() if len(s) >= 2 and n != "embed"
+                        and ".experts." not in n)
+    expert_params = sum(int(torch_prod(s)) for n, s in shapes.items() if ".experts." in n)
+    active_experts = expert_params * cfg.experts_per_token // cfg.experts if cfg.experts else 0
+    attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
+    attn_flops = attn_layers * 2 * cfg.heads * cfg.head_dim * n_prompt_tokens  # QK^T + PV, causal half, per token
+    return {"flops_per_token": 2 * (matmul_params + active_experts) + attn_flops,
+            "dense_bytes": 2 * matmul_params, "expert_bytes_per_choice": 2 * expert_params // max(cfg.experts, 1),
+            "kv_bytes_per_token": 2 * attn_layers * cfg.kv_heads * cfg.head_dim * 2,
+            "gdn_state_bytes": (cfg.layers - attn_layers) * cfg.v_heads * cfg.k_dim * cfg.v_dim * 4}
+
+
+def torch_prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_prompt: int, steps: int,
+                json_out: str | None) -> None:
+    import time
+
+    import torch
+
+    from ninfer.runtime.engine import Engine
+    from ninfer.runtime.synthetic import SHAPES, TOKEN_DOMAIN, random_weights
+
+    cfg = SHAPES[shape]
+    copy_gbs, gemm_tflops = measure_ceilings(torch)
+    weights = random_weights(cfg, "cuda")
+    ctx = max(max(prompts), decode_prompt + steps + 8) + 16
+    eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
+                              max_seqs=max(concurrency))
+    dev = eng.be.device
+    click.echo(f"# {shape} (bf16 synthetic weights) on {dev.name}; ceilings measured: copy {copy_gbs:,.0f} GB/s, "
+               f"bf16 GEMM {gemm_tflops:,.0f} TFLOP/s; KV pages {eng.cache.num_pages} x {eng.cache.page_size}")
+    rng = torch.Generator().manual_seed(0)
+    rows = []
+
+    def ids(n):
+        return torch.randint(0, TOKEN_DOMAIN, (n,), generator=rng).tolist()
+
+    for n in prompts:
+        seq = eng.open(ids(n), max_new=1)
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            while not eng.prefill(seq):
+                pass
+            torch.cuda.synchronize()
+            secs = time.perf_counter() - t0
+        finally:
+            eng.release(seq)
+        fig = _model_figures(cfg, n // 2)
+        tps = n / secs
+        frac = tps * fig["flops_per_token"] / (gemm_tflops * 1e12)
+        rows.append({"kind": "prefill", "tokens": n, "tok_s": tps, "ttft_s": secs, "peak_frac": frac})
+        click.echo(f"prefill {n:>6} tokens: {tps:>9,.0f} tok/s  TTFT {secs:6.2f} s  {100 * frac:5.1f} % of bf16 peak")
+    seqs = [eng.open(ids(decode_prompt), max_new=steps + 8) for _ in range(max(concurrency))]
+    try:
+        for s in seqs:
+            while not eng.prefill(s):
+                pass
+        for c in concurrency:
+            live = seqs[:c]
+            eng.decode(live)  # warm-up step for this batch size
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps // len(concurrency)):
+                eng.decode(live)
+            torch.cuda.synchronize()
+            n_steps = steps // len(concurrency)
+            secs = (time.perf_counter() - t0) / n_steps
+            fig = _model_figures(cfg, decode_prompt)
+            ctx_now = len(live[0].tokens)
+            chosen = min(cfg.experts, c * cfg.experts_per_token) if cfg.experts else 0
+            nbytes = (fig["dense_bytes"] + chosen * fig["expert_bytes_per_choice"] * sum(cfg.moe_layers)
+                      + c * (ctx_now * fig["kv_bytes_per_token"] + 2 * fig["gdn_state_bytes"]))
+            tps = c / secs
+            frac = (nbytes / secs) / (copy_gbs * 1e9)
+            rows.append({"kind": "decode", "concurrency": c, "context": ctx_now, "tok_s": tps,
+                         "step_ms": secs * 1e3, "bytes_per_step": nbytes, "bw_frac": frac})
+            click.echo(f"decode C={c}: {tps:>8,.1f} tok/s aggregate ({secs * 1e3:6.2f} ms/step, context {ctx_now}) "
+                       f"{100 * frac:5.1f} % of the bandwidth roofline ({nbytes / 1e9:.1f} GB/step)")
+    finally:
+        for s in seqs:
+            eng.release(s)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"shape": shape, "device": dev.name, "weights": "bf16", "copy_GBps": copy_gbs,
+                       "gemm_TFLOPs": gemm_tflops, "rows": rows}, f, indent=1)
+
+
+@main.command("model")
+@click.option("--shape", type=click.Choice(["qwen3.6-27b", "qwen3.6-35b-a3b"]), default="qwen3.6-27b", show_default=True)
+@click.option("--prompts", default="1024,8192,32768", show_default=True, help="prefill lengths")
+@click.option("--concurrency", default="1,2,4,8", show_default=True)
+@click.option("--decode-prompt", default=8192, show_default=True, help="context before the decode measurement")
+@click.option("--steps", default=64, show_default=True, help="decode steps, split over the concurrency levels")
+@click.option("--json", "json_out", type=click.Path())
+def model_cmd(shape, prompts, concurrency, decode_prompt, steps, json_out) -> None:
+    """Prefill and decode tok/s of the whole model at real shapes with synthetic bf16 weights."""
+    from ninfer.runtime.cuda import gpu_available
+    if not gpu_available():
+        click.echo("ninfer-bench model: needs a CUDA GPU (none found)", err=True)
+        sys.exit(2)
+    bench_model(shape, [int(x) for x in prompts.split(",")], [int(x) for x in concurrency.split(",")],
+                decode_prompt, steps, json_out)
+
+
 if __name__ == "__main__":
     main()

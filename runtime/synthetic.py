@@ -1,0 +1,70 @@
+"""Random weights at a model's real shapes, built straight on the device: speed is measured at the real
+Qwen3.6 shapes although no real weights can be downloaded. The names are the artifact's (recipes/)."""
+from __future__ import annotations
+
+import torch
+
+from .models.config import HybridConfig
+
+# DESIGN.md §8 / notes/ninfer-anchor.md §1.2
+SHAPES = {
+    "qwen3.6-27b": HybridConfig(
+        family="qwen3_5", hidden=5120, layers=64, layer_types=["full_attention" if (i + 1) % 4 == 0 else
+                                                                  "linear_attention" for i in range(64)],
+        vocab=248320, eps=1e-6, heads=24, kv_heads=4, head_dim=256, rotary_dim=64, rope_theta=1e7,
+        k_heads=16, v_heads=48, k_dim=128, v_dim=128, conv_width=4, intermediate=17408,
+        moe_layers=[False] * 64, max_position=262144),
+    "qwen3.6-35b-a3b": HybridConfig(
+        family="qwen3_5_moe", hidden=2048, layers=40, layer_types=["full_attention" if (i + 1) % 4 == 0 else
+                                                                      "linear_attention" for i in range(40)],
+        vocab=248320, eps=1e-6, heads=16, kv_heads=2, head_dim=256, rotary_dim=64, rope_theta=1e7,
+        k_heads=16, v_heads=32, k_dim=128, v_dim=128, conv_width=4, experts=256, experts_per_token=8,
+        expert_intermediate=512, shared_intermediate=512, moe_layers=[True] * 40, max_position=262144),
+}
+TOKEN_DOMAIN = 248077
+
+
+def weight_shapes(cfg: HybridConfig) -> dict[str, tuple]:
+    H = cfg.hidden
+    shapes = {"embed": (cfg.vocab, H), "norm": (H,)}
+    if not cfg.tied_embeddings:
+        shapes["lm_head"] = (cfg.vocab, H)
+    for i in range(cfg.layers):
+        p = f"layers.{i}."
+        shapes[p + "input_norm"] = shapes[p + "post_norm"] = (H,)
+        if cfg.is_attention(i):
+            D = cfg.head_dim
+            shapes |= {p + "attn.qkv": (2 * cfg.heads * D + 2 * cfg.kv_heads * D, H), p + "attn.q_norm": (D,),
+                       p + "attn.k_norm": (D,), p + "attn.o": (H, cfg.heads * D)}
+        else:
+            C, V = cfg.conv_channels, cfg.v_heads * cfg.v_dim
+            shapes |= {p + "gdn.in_qkv": (C, H), p + "gdn.in_z": (V, H), p + "gdn.in_b": (cfg.v_heads, H),
+                       p + "gdn.in_a": (cfg.v_heads, H), p + "gdn.conv": (C, cfg.conv_width),
+                       p + "gdn.A_log": (cfg.v_heads,), p + "gdn.dt_bias": (cfg.v_heads,), p + "gdn.norm": (cfg.v_dim,),
+                       p + "gdn.out": (H, V)}
+        if cfg.moe_layers[i]:
+            E, I, S = cfg.experts, cfg.expert_intermediate, cfg.shared_intermediate
+            shapes |= {p + "mlp.router": (E, H), p + "mlp.experts.gate_up": (E, 2 * I, H),
+                       p + "mlp.experts.down": (E, H, I), p + "mlp.shared.gate_up": (2 * S, H),
+                       p + "mlp.shared.down": (H, S), p + "mlp.shared.gate": (1, H)}
+        else:
+            shapes |= {p + "mlp.gate_up": (2 * cfg.intermediate, H), p + "mlp.down": (H, cfg.intermediate)}
+    return shapes
+
+
+def random_weights(cfg: HybridConfig, device, dtype=torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(cfg).items():
+        if name.endswith(("A_log", "dt_bias")):
+            out[name] = torch.rand(shape, generator=g, device=device, dtype=torch.float32) - 0.5
+            continue
+        t = torch.empty(shape, device=device, dtype=dtype)
+        scale = 0.1 if "norm" in name else 1.0 / max(shape[-1], 1) ** 0.5
+        out[name] = t.normal_(0.0, scale, generator=g)
+    return out
+
+
+def weight_bytes(cfg: HybridConfig, dtype=torch.bfloat16) -> int:
+    size = torch.finfo(dtype).bits // 8
+    return sum(size * int(torch.tensor(s).prod()) for s in weight_shapes(cfg).values())
