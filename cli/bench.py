@@ -183,7 +183,9 @@ def _model_figures(cfg, n_prompt_tokens: int) -> dict:
     attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
     attn_flops = attn_layers * 2 * cfg.heads * cfg.head_dim * n_prompt_tokens  # QK^T + PV, causal half, per token
     return {"flops_per_token": 2 * (matmul_params + active_experts) + attn_flops,
-            "dense_bytes": 2 * matmul_params, "expert_bytes_per_choice": 2 * expert_params // max(cfg.experts, 1),
+            "dense_bytes": 2 * matmul_params,
+            # one expert's weights in one layer: a decode step reads min(E, C*K) of them per MoE layer
+            "expert_bytes_per_choice": 2 * expert_params // max(cfg.experts * sum(cfg.moe_layers), 1),
             "kv_bytes_per_token": 2 * attn_layers * cfg.kv_heads * cfg.head_dim * 2,
             "gdn_state_bytes": (cfg.layers - attn_layers) * cfg.v_heads * cfg.k_dim * cfg.v_dim * 4}
 
