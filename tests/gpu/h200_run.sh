@@ -1,19 +1,33 @@
 #!/usr/bin/env bash
-# One device call on the lent H200: GPU tests + op benchmarks, logs under $OUT.
-# The GPU box has Python 3.12 and its own packages and no index, so ninfer is put on the path
-# through a namespace folder of links instead of a pip install. generated/ and build/cubins travel
-# with the call (compiled here on the CPU machine; NVRTC needs no GPU).
+# One device call on the lent H200: GPU tests and benchmarks, logs under $OUT.
+# The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
+# namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
+# needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
+#   STAGES="tests bench-ops bench-27b bench-35b" (default: tests bench-27b bench-35b)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ROOT=$(pwd)
 NS=/tmp/ninfer-ns/ninfer; mkdir -p "$NS"
 for layer in codegen runtime server cli; do ln -sfn "$ROOT/$layer" "$NS/$layer"; done
-export PYTHONPATH=/tmp/ninfer-ns:$ROOT PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/ninfer-ns:$ROOT PYTHONUNBUFFERED=1 NINFER_ORACLE_DIR=$ROOT/.carry/oracle
 PY=${PY:-python3}
+STAGES=${STAGES:-tests bench-27b bench-35b}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; $PY -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda.bindings', cuda.bindings.__version__)"; } 2>&1 | tee "$OUT/env.log"
 $PY -m ninfer.codegen 2>&1 | tee "$OUT/generate.log"
 $PY -m ninfer.runtime.build --archs sm_90a 2>&1 | tail -2 | tee "$OUT/build.log"
-# GEMM routes last and in their own process: a hung or faulting kernel must not hide the other results.
-timeout 600 $PY -m pytest -q -m gpu tests/gpu -k "not linear and not graph" -p no:cacheprovider 2>&1 | tee "$OUT/gpu-test-simple.log" | tail -5
-timeout 900 $PY -m pytest -q -m gpu tests/gpu -k "linear or graph" -p no:cacheprovider --maxfail=25 --timeout=300 --timeout-method=thread 2>&1 | tee "$OUT/gpu-test-gemm.log" | tail -25
-timeout 600 $PY -m ninfer.cli.bench ops ${BENCH_ARGS:-} --json "$OUT/bench-ops.json" 2>&1 | tee "$OUT/bench-ops.log"
+run_tests() {  # each file in its own process: a faulting kernel must not hide the other results
+  for f in tests/gpu/test_*_gpu.py; do
+    name=$(basename "$f" .py)
+    timeout 420 $PY -m pytest -q -m gpu "$f" -p no:cacheprovider --maxfail=30 --timeout=300 --timeout-method=thread \
+      > "$OUT/$name.log" 2>&1
+    echo "$name: $(tail -1 "$OUT/$name.log")"
+  done | tee "$OUT/tests-summary.log"
+}
+for stage in $STAGES; do
+  case $stage in
+    tests) run_tests ;;
+    bench-ops) timeout 600 $PY -m ninfer.cli.bench ops --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
+    bench-27b) timeout 900 $PY -m ninfer.cli.bench model --shape qwen3.6-27b ${BENCH27:-} --json "$OUT/bench-27b.json" 2>&1 | tee "$OUT/bench-27b.log" ;;
+    bench-35b) timeout 900 $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b ${BENCH35:-} --json "$OUT/bench-35b.json" 2>&1 | tee "$OUT/bench-35b.log" ;;
+  esac
+done
