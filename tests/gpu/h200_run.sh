@@ -5,7 +5,7 @@
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
 #   STAGES="tests bench-ops bench-27b bench-35b" (default: tests bench-27b bench-35b)
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
 ROOT=$(pwd)
 NS=/tmp/ninfer-ns/ninfer; mkdir -p "$NS"
 for layer in codegen runtime server cli; do ln -sfn "$ROOT/$layer" "$NS/$layer"; done
@@ -31,3 +31,4 @@ for stage in $STAGES; do
     bench-35b) timeout 900 $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b ${BENCH35:-} --json "$OUT/bench-35b.json" 2>&1 | tee "$OUT/bench-35b.log" ;;
   esac
 done
+tar czf "$FINAL/logs.tar.gz" -C "$FINAL" logs && rm -rf "$OUT"
