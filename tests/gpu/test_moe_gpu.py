@@ -1,0 +1,300 @@
+"""The MoE ops on the GPU (moe_topk, moe_experts, sigmoid_gate_add) against the reference backend run on cloned
+GPU tensors (fp32 math), with each contract's named tolerance; route tables at every span boundary, every route
+instance called by name, the Qwen3.6-35B-A3B / Qwen3-Next / tiny shapes, ties, repeated experts, aliasing, and
+the SparseMoE chain captured in a CUDA graph. Skips cleanly without a GPU (the conftest marks `gpu` tests)."""
+import pytest
+import torch
+
+from ninfer.runtime.dispatch import ReferenceBackend
+from ninfer.runtime.manifest import RouteError, evaluate
+from ninfer.runtime.tolerance import compare
+
+pytestmark = pytest.mark.gpu
+
+# (H, E, I, K): Qwen3.6-35B-A3B, Qwen3-Next-80B-A3B, the tiny test models, and a small odd one.
+QWEN36_35B = {"H": 2048, "E": 256, "I": 512, "K": 8}
+QWEN3_NEXT = {"H": 2048, "E": 512, "I": 512, "K": 10}
+TINY = {"H": 256, "E": 8, "I": 128, "K": 2}
+ODD = {"H": 200, "E": 12, "I": 24, "K": 3}  # I/8 = 3 chunks, I not a multiple of the cluster size
+
+
+@pytest.fixture(scope="module")
+def be():
+    from ninfer.runtime.dispatch import CudaBackend
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return CudaBackend()
+
+
+@pytest.fixture(scope="module")
+def ref(be):
+    return ReferenceBackend(be.manifest)
+
+
+def gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def nan_like(shape, dtype):
+    if dtype == torch.int32:
+        return torch.full(shape, -7, dtype=dtype, device="cuda")
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def check_outputs(be, op, got: dict, want: dict, what: str):
+    contract = be.contract(op)
+    preset = be.manifest.tolerances[contract["tolerance"]]
+    for name in contract["outputs"]:
+        if got[name].dtype == torch.int32:
+            bad = (got[name] != want[name]).nonzero()
+            assert bad.numel() == 0, f"{what}: {name} differs at {bad[:8].tolist()}: got {got[name][bad[:8, 0]].tolist()}, " \
+                                     f"want {want[name][bad[:8, 0]].tolist()}"
+        else:
+            v = compare(got[name], want[name], preset, f"{what} {name}")
+            assert v, v.detail
+
+
+def span_ts(be, op, problem):
+    """T = 1, b-1, b, b+1 for every span start b of this GPU's table, and an interior point of each span."""
+    spans = be.manifest.table(be.device.arch, op, "bf16", problem)
+    ts = {1}
+    for lo, hi, _ in spans:
+        if lo > 1:
+            ts |= {lo - 1, lo, lo + 1}
+        ts.add((lo + hi) // 2 if hi is not None else 2 * lo + 37)
+    return sorted(ts)
+
+
+def instances(be, op):
+    return sorted(k.instance for k in be.manifest.kernels.values() if k.arch == be.device.arch and k.op == op)
+
+
+def admissible(be, op, instance, dims):
+    k = be.manifest.kernel(be.device.arch, op, instance, "bf16")
+    return all(evaluate(c, dims) for c in k.constraints)
+
+
+# ---------------------------------------------------------------------------------------------------- moe_topk
+def topk_case(be, ref, T, E, K, renormalize, logits, route=None):
+    w, ids = nan_like((T, K), torch.float32), nan_like((T, K), torch.int32)
+    plan = be.plan("moe_topk", route=route, logits=logits, weights=w, ids=ids, renormalize=renormalize)
+    plan()
+    torch.cuda.synchronize()
+    rw, rids = nan_like((T, K), torch.float32), nan_like((T, K), torch.int32)
+    ref.run("moe_topk", logits=logits.clone(), weights=rw, ids=rids, renormalize=renormalize)
+    what = f"moe_topk T={T} E={E} K={K} renorm={renormalize} via {plan.kernel.instance}"
+    check_outputs(be, "moe_topk", {"weights": w, "ids": ids}, {"weights": rw, "ids": rids}, what)
+    if renormalize:
+        torch.testing.assert_close(w.sum(-1), torch.ones(T, device="cuda"), rtol=0, atol=1e-5)
+    return plan.kernel.instance
+
+
+TOPK_SHAPES = [(256, 8), (512, 10), (8, 2), (40, 3), (64, 32), (33, 33)]
+
+
+@pytest.mark.parametrize("E,K", TOPK_SHAPES)
+@pytest.mark.parametrize("renormalize", [1, 0])
+def test_topk_table(be, ref, E, K, renormalize):
+    for T in sorted({*span_ts(be, "moe_topk", {"E": E, "K": K}), 2, 3, 4, 5, 1000}):
+        logits = (torch.randn(T, E, device="cuda", generator=gen(T * 31 + E)) * 2).bfloat16()
+        topk_case(be, ref, T, E, K, renormalize, logits)
+
+
+@pytest.mark.parametrize("E,K", [(256, 8), (512, 10), (8, 2), (40, 3)])
+def test_topk_ties_lower_id_wins(be, ref, E, K):
+    """Exactly equal logits (few distinct values, a constant row, a tie exactly at the K boundary)."""
+    T = 37
+    g = gen(E + K)
+    logits = torch.randint(0, 4, (T, E), device="cuda", generator=g).float().bfloat16()
+    logits[0] = 1.0                                   # every expert equal: ids 0..K-1
+    logits[1] = 0.0
+    logits[1, E - 1] = logits[1, E - 2] = 2.0         # the two largest at the top ids: E-2 before E-1
+    logits[2] = 0.0
+    logits[2, : K - 1] = 3.0                          # K-1 clear winners, then an all-way tie for the last slot
+    for renormalize in (1, 0):
+        topk_case(be, ref, T, E, K, renormalize, logits)
+    w, ids = nan_like((T, K), torch.float32), nan_like((T, K), torch.int32)
+    be.run("moe_topk", logits=logits, weights=w, ids=ids, renormalize=1)
+    assert ids[0].tolist() == list(range(K))
+    assert ids[1, :2].tolist() == [E - 2, E - 1]
+    assert ids[2].tolist() == list(range(K))
+
+
+def test_topk_every_route(be, ref):
+    for inst in instances(be, "moe_topk"):
+        for E, K in TOPK_SHAPES:
+            for T in (1, 3, 4, 5, 129):
+                if admissible(be, "moe_topk", inst, {"T": T, "E": E, "K": K}):
+                    logits = torch.randn(T, E, device="cuda", generator=gen(7 * T + E)).bfloat16()
+                    assert topk_case(be, ref, T, E, K, 1, logits, route=inst) == inst
+
+
+# -------------------------------------------------------------------------------------------------- moe_experts
+def expert_inputs(T, H, E, I, K, seed, ids=None):
+    g = gen(seed)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+    down = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    if ids is None:  # K distinct experts per token, as the router gives
+        ids = torch.rand(T, E, device="cuda", generator=g).argsort(-1)[:, :K].to(torch.int32).contiguous()
+    w = torch.rand(T, K, device="cuda", generator=g) + 0.05
+    w = (w / w.sum(-1, keepdim=True)).contiguous()
+    return {"x": x, "gate_up": gate_up, "down": down, "weights": w, "ids": ids}
+
+
+def experts_case(be, ref, dims, seed, ids=None, route=None):
+    T, H, E, I, K = (dims[d] for d in ("T", "H", "E", "I", "K"))
+    ins = expert_inputs(T, H, E, I, K, seed, ids)
+    y = nan_like((T, H), torch.bfloat16)
+    plan = be.plan("moe_experts", route=route, **ins, y=y)
+    plan()
+    torch.cuda.synchronize()
+    ry = nan_like((T, H), torch.bfloat16)
+    ref.run("moe_experts", **{k: v.clone() for k, v in ins.items()}, y=ry)
+    check_outputs(be, "moe_experts", {"y": y}, {"y": ry}, f"moe_experts {dims} via {plan.kernel.instance}")
+    return plan.kernel.instance
+
+
+@pytest.mark.parametrize("shape", [TINY, ODD, QWEN36_35B], ids=["tiny", "odd", "35b"])
+def test_experts_table(be, ref, shape):
+    for T in span_ts(be, "moe_experts", {k: shape[k] for k in ("H", "E", "I", "K")}):
+        experts_case(be, ref, {"T": T, **shape}, seed=T)
+
+
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+def test_experts_qwen36_35b(be, ref, T):
+    experts_case(be, ref, {"T": T, **QWEN36_35B}, seed=1000 + T)
+
+
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_experts_qwen3_next(be, ref, T):
+    experts_case(be, ref, {"T": T, **QWEN3_NEXT}, seed=2000 + T)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 7, 64, 300])
+def test_experts_tiny(be, ref, T):
+    experts_case(be, ref, {"T": T, **TINY}, seed=3000 + T)
+
+
+@pytest.mark.parametrize("shape", [TINY, QWEN36_35B], ids=["tiny", "35b"])
+def test_experts_shared_and_repeated_ids(be, ref, shape):
+    """Every token routed to the same experts; one expert for all slots of a token (a repeated id adds twice)."""
+    E, K = shape["E"], shape["K"]
+    for T in (1, 6, 40):
+        same = torch.arange(E - K, E, device="cuda", dtype=torch.int32).flip(0).repeat(T, 1).contiguous()
+        experts_case(be, ref, {"T": T, **shape}, seed=4000 + T, ids=same)
+        rep = torch.full((T, K), E // 2, device="cuda", dtype=torch.int32)
+        rep[::2, 0] = 0
+        experts_case(be, ref, {"T": T, **shape}, seed=5000 + T, ids=rep.contiguous())
+
+
+def test_experts_every_route(be, ref):
+    for inst in instances(be, "moe_experts"):
+        for shape, ts in ((TINY, (1, 2, 9, 130)), (ODD, (1, 3)), (QWEN36_35B, (1, 4, 64))):
+            for T in ts:
+                if admissible(be, "moe_experts", inst, {"T": T, **shape}):
+                    assert experts_case(be, ref, {"T": T, **shape}, seed=6000 + T, route=inst) == inst
+
+
+# ---------------------------------------------------------------------------------------------- sigmoid_gate_add
+def gate_add_case(be, ref, T, H, seed, inplace, route=None):
+    g_ = gen(seed)
+    a = torch.randn(T, H, device="cuda", generator=g_).bfloat16()
+    b = torch.randn(T, H, device="cuda", generator=g_).bfloat16()
+    g = (torch.randn(T, 1, device="cuda", generator=g_) * 3).bfloat16()
+    ra = a.clone()
+    y = a if inplace else nan_like((T, H), torch.bfloat16)
+    plan = be.plan("sigmoid_gate_add", route=route, a=a, b=b, g=g, y=y)
+    plan()
+    torch.cuda.synchronize()
+    ry = nan_like((T, H), torch.bfloat16)
+    ref.run("sigmoid_gate_add", a=ra, b=b.clone(), g=g.clone(), y=ry)
+    check_outputs(be, "sigmoid_gate_add", {"y": y}, {"y": ry},
+                  f"sigmoid_gate_add T={T} H={H} inplace={inplace} via {plan.kernel.instance}")
+    return plan.kernel.instance
+
+
+@pytest.mark.parametrize("H", [2048, 264, 8])
+def test_sigmoid_gate_add_table(be, ref, H):
+    for T in sorted({*span_ts(be, "sigmoid_gate_add", {"H": H}), 2, 3, 129, 1000}):
+        for inplace in (False, True):
+            gate_add_case(be, ref, T, H, seed=T * 3 + H, inplace=inplace)
+
+
+def test_sigmoid_gate_add_every_route(be, ref):
+    for inst in instances(be, "sigmoid_gate_add"):
+        for H in (2048, 264):
+            for T in (1, 5, 257):
+                if admissible(be, "sigmoid_gate_add", inst, {"T": T, "H": H}):
+                    assert gate_add_case(be, ref, T, H, seed=T + H, inplace=True, route=inst) == inst
+
+
+# --------------------------------------------------------------------------------------------------- bad calls
+def test_bad_calls_are_clear_errors(be):
+    logits = torch.randn(2, 600, device="cuda").bfloat16()
+    w, ids = nan_like((2, 8), torch.float32), nan_like((2, 8), torch.int32)
+    with pytest.raises(RouteError, match=r"moe_topk: route warp\.\w+ \(sm_\w+\) requires E <= \d+"):
+        be.plan("moe_topk", logits=logits, weights=w, ids=ids)
+    ins = expert_inputs(2, 256, 8, 128, 2, seed=1)
+    ins["x"] = torch.randn(2, 252, device="cuda").bfloat16()
+    ins["gate_up"] = torch.randn(8, 256, 252, device="cuda").bfloat16()
+    ins["down"] = torch.randn(8, 252, 128, device="cuda").bfloat16()
+    with pytest.raises(RouteError, match=r"moe_experts: route \w+\.\w+ \(sm_\w+\) requires H % 8 == 0"):
+        be.plan("moe_experts", **ins, y=nan_like((2, 252), torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------------- the SparseMoE chain, graphed
+@pytest.mark.parametrize("shape,T", [(QWEN36_35B, 1), (QWEN36_35B, 6), (TINY, 5)], ids=["35b-t1", "35b-t6", "tiny-t5"])
+def test_sparse_moe_chain_in_cuda_graph(be, ref, shape, T):
+    """router linear -> moe_topk -> moe_experts -> (shared expert) -> sigmoid_gate_add, as runtime/models/blocks.py
+    calls them, captured once and replayed on new x: equal to eager, and close to the reference chain."""
+    H, E, I, K = (shape[d] for d in ("H", "E", "I", "K"))
+    g = gen(77 + T)
+    r = lambda *s, scale=1.0: (torch.randn(*s, device="cuda", generator=g) * scale).bfloat16()  # noqa: E731
+    router, shared_gate = r(E, H, scale=H ** -0.5), r(1, H, scale=H ** -0.5)
+    gate_up, down = r(E, 2 * I, H, scale=H ** -0.5), r(E, H, I, scale=I ** -0.5)
+    x, shared = r(T, H), r(T, H)
+    bufs = {"logits": nan_like((T, E), torch.bfloat16), "weights": nan_like((T, K), torch.float32),
+            "ids": nan_like((T, K), torch.int32), "y": nan_like((T, H), torch.bfloat16), "g": nan_like((T, 1), torch.bfloat16)}
+
+    def plans(b, backend):
+        return [backend.plan("linear", x=x, w=router, y=b["logits"]),
+                backend.plan("moe_topk", logits=b["logits"], weights=b["weights"], ids=b["ids"], renormalize=1),
+                backend.plan("moe_experts", x=x, gate_up=gate_up, down=down, weights=b["weights"], ids=b["ids"], y=b["y"]),
+                # N=1: the default linear table's mma spans need N % 8 == 0, so the gemv route (T <= 8) is named
+                backend.plan("linear", route="gemv.t8", x=x, w=shared_gate, y=b["g"]),
+                backend.plan("sigmoid_gate_add", a=b["y"], b=shared, g=b["g"], y=b["y"])]
+
+    chain = plans(bufs, be)
+
+    def step():
+        for p in chain:
+            p()
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(2):
+        x.copy_(r(T, H))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = {k: v.clone() for k, v in bufs.items()}
+        step()
+        torch.cuda.synchronize()
+        for k in bufs:
+            assert torch.equal(replayed[k], bufs[k]), f"replay {trial}: {k} differs from eager"
+        # Reference chain on the kernels' own router logits (a bf16 logit rounding could flip a near-tie).
+        rb = {k: nan_like(v.shape, v.dtype) for k, v in bufs.items()}
+        rb["logits"].copy_(bufs["logits"])
+        rb["g"].copy_(bufs["g"])
+        ref.run("moe_topk", logits=rb["logits"], weights=rb["weights"], ids=rb["ids"], renormalize=1)
+        check_outputs(be, "moe_topk", bufs, rb, f"chain {shape} T={T} replay {trial}")
+        ref.run("moe_experts", x=x, gate_up=gate_up, down=down, weights=rb["weights"], ids=rb["ids"], y=rb["y"])
+        ref.run("sigmoid_gate_add", a=rb["y"], b=shared, g=rb["g"], y=rb["y"])
+        v = compare(bufs["y"], rb["y"], be.manifest.tolerances["bf16_reduction"], f"chain {shape} T={T} replay {trial} y")
+        assert v, v.detail
