@@ -144,8 +144,8 @@ class Engine:
             self.model = MODELS[cfg.family](cfg, weights, self.cache)
         except KeyError as e:
             raise EngineError(f"the artifact lacks tensor {e.args[0]!r}, which the {cfg.family} model needs") from None
-        # generated-token counts per lane, for the presence/frequency penalties of `sample`
-        self._counts = torch.zeros(max_seqs, cfg.vocab, dtype=torch.int32, device=self.device)
+        # generated-token counts per lane (+ the scratch lane graphs warm up on), for the sample op's penalties
+        self._counts = torch.zeros(max_seqs + 1, cfg.vocab, dtype=torch.int32, device=self.device)
         self.prefill_chunk = prefill_chunk
         self.graphs = DecodeGraphs(self) if be.name == "cuda" and cuda_graphs else None
 
