@@ -131,7 +131,7 @@ class Artifact:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32}.get(t.format, torch.uint8)
         with warnings.catch_warnings():   # torch warns that the buffer is not writable; that is the point
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(self.mapping, dtype=torch.uint8, count=t.bytes,
+            flat = torch.frombuffer(memoryview(self.mapping), dtype=torch.uint8, count=t.bytes,
                                     offset=self.payload_offset + t.offset)
         if dtype is torch.uint8:
             return flat

@@ -303,8 +303,11 @@ class Engine:
             raise EngineError(f"token id {bad[0]} is outside the vocabulary (valid ids: 0..{self.domain - 1})")
 
     def close(self) -> None:
+        """Drop the weights (CPU weights may be views of the artifact's mapping), then close the artifact."""
+        self.model = self.weights = self.graphs = None
         if self.art is not None:
             self.art.close()
+            self.art = None
 
 
 __all__ = ["Engine", "EngineError", "CapacityError", "Sequence", "SamplingParams", "GREEDY"]

@@ -60,17 +60,17 @@ def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
         opts = [o.encode() for o in options(arch)]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        buf = b" " * size
+        buf = bytearray(size)  # never b" " * n: for n == 1 that is Python's shared b" " object, which NVRTC overwrites
         nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = buf.rstrip(b"\x00").decode(errors="replace").strip()
+        log = bytes(buf).rstrip(b"\x00").decode(errors="replace").strip()
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(log or str(err))
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check(err, "nvrtcGetCUBIN")
-        return cubin, log
+        return bytes(cubin), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

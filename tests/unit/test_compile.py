@@ -102,3 +102,9 @@ def test_stale_or_edited_source_is_refused(spec_tree, tmp_path, monkeypatch):
     (out / k["source"]).write_text("// edited\n")
     with pytest.raises(CubinError, match="does not match the manifest"):
         compile_kernel(k)
+
+
+def test_compiling_leaves_python_bytes_alone():
+    """NVRTC writes its log into the buffer we pass: an empty log must not clobber Python's shared b" "."""
+    nvrtc.compile_cubin('extern "C" __global__ void k(int* x) { x[0] = 1; }', "k.cu", "sm_90a")
+    assert bytes([32]) == b" " and b" ".decode() == " "
