@@ -32,6 +32,9 @@ def demo_artifact() -> Path:
     DEMO_DIR.mkdir(parents=True, exist_ok=True)
     click.echo(f"ninfer-serve --demo: building the demo artifact once (cached as {out})", err=True)
     demo.build_demo(out, log=lambda m: click.echo(f"  demo: {m}", err=True))
+    for old in DEMO_DIR.glob("ninfer-demo-*.ninfer"):  # builds of an older demo builder
+        if old != out:
+            old.unlink(missing_ok=True)
     return out
 
 

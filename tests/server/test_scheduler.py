@@ -1,0 +1,168 @@
+"""The scheduler on the real engine (demo artifact, reference backend): continuous batching with
+chunked prefill interleaved with decode steps, FIFO admission with typed overload errors, cancellation
+that frees lanes and pages at once, stop strings, refusal of what can never fit."""
+import asyncio
+import time
+
+import pytest
+
+from ninfer.runtime import scheduler as S
+from ninfer.runtime.engine import Engine, SamplingParams
+from ninfer.runtime.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(demo_artifact):
+    eng = Engine(demo_artifact, backend="reference", max_context=256, max_seqs=2, prefill_chunk=8)
+    yield eng
+    eng.close()
+
+
+class Spy:
+    """Records the engine calls the worker makes: ("prefill", seq) and ("decode", [seqs])."""
+
+    def __init__(self, eng):
+        self.eng, self.calls = eng, []
+        self._prefill, self._decode = eng.prefill, eng.decode
+
+    def __enter__(self):
+        def prefill(seq):
+            self.calls.append(("prefill", id(seq)))
+            return self._prefill(seq)
+
+        def decode(seqs):
+            self.calls.append(("decode", [id(s) for s in seqs]))
+            return self._decode(seqs)
+        self.eng.prefill, self.eng.decode = prefill, decode
+        return self
+
+    def __exit__(self, *exc):
+        del self.eng.prefill, self.eng.decode
+
+
+def req(n_prompt, max_new, **kw):
+    return S.Request(prompt=list(range(1000, 1000 + n_prompt)), max_new=max_new, **kw)
+
+
+async def drain(h):
+    evs = []
+    async for ev in h:
+        evs.append(ev)
+    return evs
+
+
+def test_long_prefill_interleaves_with_running_decode(engine):
+    async def main():
+        s = S.Scheduler(engine, max_pending=4)
+        try:
+            with Spy(engine) as spy:
+                a = s.submit(req(5, 40))
+                got = 0
+                while got < 2:                  # A is decoding
+                    ev = await a.events.get()
+                    got += isinstance(ev, S.Text)
+                b = s.submit(req(100, 3))       # 13 prefill chunks of 8
+                ra, rb = await asyncio.gather(drain(a), drain(b))
+            return spy.calls, a, b, ra, rb
+        finally:
+            s.close()
+    calls, a, b, ra, rb = asyncio.run(main())
+    assert isinstance(ra[-1], S.Done) and isinstance(rb[-1], S.Done)
+    assert rb[-1].completion_tokens == 3 and rb[-1].prompt_tokens == 100
+    a_seq = a.seq
+    b_prefills = [i for i, c in enumerate(calls) if c == ("prefill", id(b.seq))]
+    assert len(b_prefills) == 13
+    between = calls[b_prefills[0]:b_prefills[-1]]
+    decodes_with_a = [c for c in between if c[0] == "decode" and id(a_seq) in c[1]]
+    assert len(decodes_with_a) >= 12, "A must keep decoding between B's prefill chunks"
+    # once B is prefilled, both decode in one batch
+    assert any(c[0] == "decode" and set(c[1]) == {id(a_seq), id(b.seq)} for c in calls[b_prefills[-1]:])
+    assert engine.cache.in_use == (0, 0)
+
+
+def test_cancel_frees_the_lane_at_once(engine):
+    async def main():
+        s = S.Scheduler(engine, max_pending=4)
+        try:
+            h = s.submit(req(20, 200))
+            while not isinstance(await h.events.get(), S.Text):
+                pass
+            assert engine.cache.in_use[0] == 1
+            t0 = time.monotonic()
+            h.cancel()
+            while engine.cache.in_use != (0, 0):
+                await asyncio.sleep(0.005)
+            dt = time.monotonic() - t0
+            return dt, s.stats["cancelled"]
+        finally:
+            s.close()
+    dt, cancelled = asyncio.run(main())
+    assert dt < 1.0 and cancelled == 1
+
+
+def test_fifo_queue_full_and_timeout(engine):
+    async def main():
+        s = S.Scheduler(engine, max_pending=1, pending_timeout_ms=400)
+        try:
+            a = s.submit(req(5, 120))
+            b = s.submit(req(5, 120))       # both lanes busy now
+            for h in (a, b):
+                while not isinstance(await h.events.get(), S.Text):
+                    pass
+            c = s.submit(req(5, 2))         # waits
+            with pytest.raises(S.QueueFull):
+                s.submit(req(5, 2))
+            evs = await drain(c)             # nothing frees a lane within 400 ms
+            a.cancel()
+            b.cancel()
+            while s.active:
+                await asyncio.sleep(0.005)
+            d = s.submit(req(5, 2))
+            e = s.submit(req(6, 2))
+            rd, re_ = await asyncio.gather(drain(d), drain(e))
+            return evs, rd, re_, d, e
+        finally:
+            s.close()
+    evs, rd, re_, d, e = asyncio.run(main())
+    assert isinstance(evs[-1], S.Failed) and isinstance(evs[-1].error, S.QueueTimeout)
+    assert isinstance(rd[-1], S.Done) and isinstance(re_[-1], S.Done)
+    assert d.admitted_at <= e.admitted_at      # first in, first admitted
+    assert engine.cache.in_use == (0, 0)
+
+
+def test_never_fitting_requests_are_refused_before_queueing(engine):
+    async def main():
+        s = S.Scheduler(engine, max_pending=1)
+        try:
+            with pytest.raises(S.ContextTooLong, match="maximum context is 256"):
+                s.submit(req(256, 1))
+            with pytest.raises(S.InvalidPrompt):
+                s.submit(S.Request(prompt=[], max_new=1))
+            with pytest.raises(S.InvalidPrompt, match="outside the vocabulary"):
+                s.submit(S.Request(prompt=[1, 10 ** 9], max_new=1))
+            assert s.check(250, 100) == 6           # output limited by the context
+            assert s.pending == 0
+        finally:
+            s.close()
+    asyncio.run(main())
+
+
+def test_stop_strings_and_text(engine, demo_artifact):
+    tok = Tokenizer.from_artifact(engine.art)
+    sp = SamplingParams(temperature=0.9, seed=4)
+
+    async def run(stops):
+        s = S.Scheduler(engine)
+        try:
+            h = s.submit(S.Request(prompt=tok.encode("Once upon a time"), max_new=20, sampling=sp,
+                                   stop_strings=tuple(stops), detokenizer=tok.stream()))
+            evs = await drain(h)
+            return "".join(e.text for e in evs if isinstance(e, S.Text)), evs[-1]
+        finally:
+            s.close()
+    text, done = asyncio.run(run(()))
+    assert done.finish_reason == "length" and len(text) > 8
+    stop = text[4:8]
+    cut, done2 = asyncio.run(run([stop, "\x00never"]))
+    assert cut == text[:text.index(stop)] and done2.finish_reason == "stop" and done2.stop_string == stop
+    assert engine.cache.in_use == (0, 0)
