@@ -20,14 +20,16 @@ class _Graph:
         dev, cache = engine.device, engine.cache
         self.engine, self.b = engine, b
         self.width = cache.pages_per_seq
-        # one buffer per dtype; the fields are views into it, so a step is two copies
-        self.ints = torch.zeros(len(_INT_FIELDS) * b + b * self.width, dtype=torch.int32, device=dev)
-        self.floats = torch.zeros(len(_FLOAT_FIELDS) * b, dtype=torch.float32, device=dev)
+        # one buffer per dtype, so a step is two copies; each field is a view starting on a 16-byte boundary
+        # (kernels may use vector loads on any argument)
+        self.stride = stride = -(-b // 4) * 4
+        self.ints = torch.zeros(len(_INT_FIELDS) * stride + b * self.width, dtype=torch.int32, device=dev)
+        self.floats = torch.zeros(len(_FLOAT_FIELDS) * stride, dtype=torch.float32, device=dev)
         self.host_ints = torch.zeros_like(self.ints, device="cpu").pin_memory()
         self.host_floats = torch.zeros_like(self.floats, device="cpu").pin_memory()
-        self.f = {n: self.ints[i * b:(i + 1) * b] for i, n in enumerate(_INT_FIELDS)}
-        self.f |= {n: self.floats[i * b:(i + 1) * b] for i, n in enumerate(_FLOAT_FIELDS)}
-        self.block_table = self.ints[len(_INT_FIELDS) * b:].view(b, self.width)
+        self.f = {n: self.ints[i * stride:i * stride + b] for i, n in enumerate(_INT_FIELDS)}
+        self.f |= {n: self.floats[i * stride:i * stride + b] for i, n in enumerate(_FLOAT_FIELDS)}
+        self.block_table = self.ints[len(_INT_FIELDS) * stride:].view(b, self.width)
         self.token_seq = torch.arange(b, dtype=torch.int32, device=dev)
         self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, dtype=torch.int32, device=dev)
@@ -75,14 +77,15 @@ class _Graph:
             cols["min_p"].append(sp.min_p)
             cols["presence"].append(sp.presence_penalty)
             cols["frequency"].append(sp.frequency_penalty)
+        st = self.stride
         for i, n in enumerate(_INT_FIELDS):
-            hi[i * b:(i + 1) * b] = torch.tensor(cols[n], dtype=torch.int32)
+            hi[i * st:i * st + b] = torch.tensor(cols[n], dtype=torch.int32)
         table = torch.zeros(b, w, dtype=torch.int32)
         for r, s in enumerate(seqs):
             table[r, :len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
-        hi[len(_INT_FIELDS) * b:] = table.view(-1)
+        hi[len(_INT_FIELDS) * st:] = table.view(-1)
         for i, n in enumerate(_FLOAT_FIELDS):
-            hf[i * b:(i + 1) * b] = torch.tensor(cols[n], dtype=torch.float32)
+            hf[i * st:i * st + b] = torch.tensor(cols[n], dtype=torch.float32)
         self.ints.copy_(hi, non_blocking=True)
         self.floats.copy_(hf, non_blocking=True)
         self.graph.replay()
