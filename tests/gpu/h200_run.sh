@@ -27,8 +27,8 @@ for stage in $STAGES; do
   case $stage in
     tests) run_tests ;;
     bench-ops) timeout 600 $PY -m ninfer.cli.bench ops --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
-    bench-27b) timeout 900 $PY -m ninfer.cli.bench model --shape qwen3.6-27b ${BENCH27:-} --json "$OUT/bench-27b.json" 2>&1 | tee "$OUT/bench-27b.log" ;;
-    bench-35b) timeout 900 $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b ${BENCH35:-} --json "$OUT/bench-35b.json" 2>&1 | tee "$OUT/bench-35b.log" ;;
+    bench-27b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b ${BENCH27:-} --json "$OUT/bench-27b.json" 2>&1 | tee "$OUT/bench-27b.log" ;;
+    bench-35b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b ${BENCH35:-} --json "$OUT/bench-35b.json" 2>&1 | tee "$OUT/bench-35b.log" ;;
   esac
 done
 tar czf "$FINAL/logs.tar.gz" -C "$FINAL" logs && rm -rf "$OUT"
