@@ -3,7 +3,7 @@
 # The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
-#   STAGES="tests bench-ops bench-27b bench-35b" (default: tests bench-27b bench-35b)
+#   STAGES="tests bench-ops bench-27b bench-35b serve-load" (default: tests bench-27b bench-35b)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
 ROOT=$(pwd)
@@ -28,6 +28,7 @@ for stage in $STAGES; do
     tests) run_tests ;;
     bench-ops) timeout 600 $PY -m ninfer.cli.bench ops --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
     bench-27b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b ${BENCH27:-} --json "$OUT/bench-27b.json" 2>&1 | tee "$OUT/bench-27b.log" ;;
+    serve-load) timeout 300 $PY tests/gpu/serve_load.py .carry/demo/demo.ninfer --clients 8 --max-tokens 256 2>&1 | tee "$OUT/serve-load.log" | tail -16 ;;
     bench-35b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b ${BENCH35:-} --json "$OUT/bench-35b.json" 2>&1 | tee "$OUT/bench-35b.log" ;;
   esac
 done
