@@ -52,3 +52,13 @@ def oracle(op, contract, tensors, params):
     fn = REFERENCES[contract["reference"]]
     ins = {k: (tensors[k].double() if tensors[k].is_floating_point() else tensors[k]) for k in contract["inputs"]}
     return fn(**ins, **params)
+
+
+def boundary_ts(spans):
+    """T = 1, then b-1, b, b+1 for every span start b, and an interior point of every span."""
+    ts = {1}
+    for lo, hi, _ in spans:
+        if lo > 1:
+            ts |= {lo - 1, lo, lo + 1}
+        ts.add((lo + hi) // 2 if hi is not None else 2 * lo + 37)
+    return sorted(ts)

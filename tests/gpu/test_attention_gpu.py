@@ -11,6 +11,7 @@ import torch
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError
 from ninfer.runtime.tolerance import compare
+from tests.ops_cases import boundary_ts
 
 pytestmark = pytest.mark.gpu
 
@@ -49,15 +50,6 @@ def _check(be, ref, op, tensors, params, route=None, exact=()):
         if name in exact:
             assert torch.equal(mine[name], theirs[name]), f"{op}.{name} is not an exact copy"
     return plan.kernel.instance
-
-
-def boundary_ts(spans):
-    ts = {1}
-    for lo, hi, _ in spans:
-        if lo > 1:
-            ts |= {lo - 1, lo, lo + 1}
-        ts.add((lo + hi) // 2 if hi is not None else 2 * lo + 37)
-    return sorted(ts)
 
 
 def _table_ts(op, problem, fallback):

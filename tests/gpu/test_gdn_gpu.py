@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
+from tests.ops_cases import boundary_ts
 
 pytestmark = pytest.mark.gpu
 
@@ -238,15 +239,6 @@ def test_gdn_delta_rule_unused_slots_untouched(be):
 
 
 # ------------------------------------------------------------------------------- route tables and routes
-
-def boundary_ts(spans):
-    ts = {1}
-    for lo, hi, _ in spans:
-        if lo > 1:
-            ts |= {lo - 1, lo, lo + 1}
-        ts.add((lo + hi) // 2 if hi is not None else 2 * lo + 37)
-    return sorted(ts)
-
 
 def op_inputs(op, shape, T, seed):
     hk, hv, dk, dv = SHAPES[shape]

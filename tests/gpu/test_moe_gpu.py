@@ -8,6 +8,7 @@ import torch
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
+from tests.ops_cases import boundary_ts
 
 pytestmark = pytest.mark.gpu
 
@@ -56,13 +57,7 @@ def check_outputs(be, op, got: dict, want: dict, what: str):
 
 def span_ts(be, op, problem):
     """T = 1, b-1, b, b+1 for every span start b of this GPU's table, and an interior point of each span."""
-    spans = be.manifest.table(be.device.arch, op, "bf16", problem)
-    ts = {1}
-    for lo, hi, _ in spans:
-        if lo > 1:
-            ts |= {lo - 1, lo, lo + 1}
-        ts.add((lo + hi) // 2 if hi is not None else 2 * lo + 37)
-    return sorted(ts)
+    return boundary_ts(be.manifest.table(be.device.arch, op, "bf16", problem))
 
 
 def instances(be, op):

@@ -8,7 +8,7 @@ from ninfer.runtime.contracts import ContractError
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
-from tests.ops_cases import PROBLEMS, make_inputs, oracle
+from tests.ops_cases import PROBLEMS, boundary_ts, make_inputs, oracle
 
 pytestmark = pytest.mark.gpu
 ROUTE_TS = [1, 2, 3, 7, 8, 9, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000]
@@ -19,15 +19,6 @@ def be():
     from ninfer.runtime.dispatch import CudaBackend
     torch.backends.cuda.matmul.allow_tf32 = False
     return CudaBackend()
-
-
-def boundary_ts(spans):
-    ts = {1}
-    for lo, hi, _ in spans:
-        if lo > 1:
-            ts |= {lo - 1, lo, lo + 1}
-        ts.add((lo + hi) // 2 if hi is not None else 2 * lo + 37)
-    return sorted(ts)
 
 
 def check(be, op, dims, route=None, seed=0):
