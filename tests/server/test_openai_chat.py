@@ -20,7 +20,7 @@ def test_non_stream(server):
     assert ch.finish_reason in ("stop", "length") and ch.message.role == "assistant"
     assert isinstance(ch.message.content, str)
     assert r.usage.prompt_tokens == server.render_tokens(USER)
-    assert 1 <= r.usage.completion_tokens <= 6
+    assert 0 < r.usage.completion_tokens <= 6
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     t = r.model_extra["timings"]   # llama.cpp-compatible block
     assert t["prompt_n"] == r.usage.prompt_tokens and t["predicted_n"] == r.usage.completion_tokens
