@@ -8,6 +8,7 @@ inputs rotate among copies that together exceed the L2, so memory-bound figures 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 
@@ -176,9 +177,9 @@ def _model_figures(cfg, n_prompt_tokens: int) -> dict:
     """FLOPs per prompt token (weights + causal attention at this length) and decode bytes per step."""
     from ninfer.runtime.synthetic import weight_shapes
     shapes = weight_shapes(cfg)
-    matmul_params = sum(int(torch_prod(s)) for n, s in shapes.items() if len(s) >= 2 and n != "embed"
+    matmul_params = sum(math.prod(s) for n, s in shapes.items() if len(s) >= 2 and n != "embed"
                         and ".experts." not in n)
-    expert_params = sum(int(torch_prod(s)) for n, s in shapes.items() if ".experts." in n)
+    expert_params = sum(math.prod(s) for n, s in shapes.items() if ".experts." in n)
     active_experts = expert_params * cfg.experts_per_token // cfg.experts if cfg.experts else 0
     attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
     attn_flops = attn_layers * 2 * cfg.heads * cfg.head_dim * n_prompt_tokens  # QK^T + PV, causal half, per token
@@ -188,13 +189,6 @@ def _model_figures(cfg, n_prompt_tokens: int) -> dict:
             "expert_bytes_per_choice": 2 * expert_params // max(cfg.experts * sum(cfg.moe_layers), 1),
             "kv_bytes_per_token": 2 * attn_layers * cfg.kv_heads * cfg.head_dim * 2,
             "gdn_state_bytes": (cfg.layers - attn_layers) * cfg.v_heads * cfg.k_dim * cfg.v_dim * 4}
-
-
-def torch_prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_prompt: int, steps: int,

@@ -2,6 +2,8 @@
 Qwen3.6 shapes although no real weights can be downloaded. The names are the artifact's (recipes/)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .models.config import HybridConfig
@@ -67,4 +69,4 @@ def random_weights(cfg: HybridConfig, device, dtype=torch.bfloat16, seed: int = 
 
 def weight_bytes(cfg: HybridConfig, dtype=torch.bfloat16) -> int:
     size = torch.finfo(dtype).bits // 8
-    return sum(size * int(torch.tensor(s).prod()) for s in weight_shapes(cfg).values())
+    return sum(size * math.prod(s) for s in weight_shapes(cfg).values())
