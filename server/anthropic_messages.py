@@ -131,28 +131,13 @@ def parse_messages(body: dict) -> list[dict]:
 
 
 def parse_tools(raw) -> list[dict] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise bad_request("'tools' must be an array", "tools")
-    out, seen = [], set()
-    for i, t in enumerate(raw):
-        w = f"tools[{i}]"
-        t = v.element(t, w)
+    def fields(t, w):
         if t.get("type") not in (None, "custom"):
             raise bad_request(f"'{w}.type' {t.get('type')!r}: only client (custom) tools are supported", f"{w}.type")
-        name = v.tool_name(t.get("name"), f"{w}.name")
-        if name in seen:
-            raise bad_request(f"'{w}.name': the tool name '{name}' is given twice", f"{w}.name")
-        seen.add(name)
         if "input_schema" not in t:
             raise bad_request(f"'{w}.input_schema' is required", f"{w}.input_schema")
-        fn = {"name": name, "parameters": v.json_schema(t.get("input_schema"), f"{w}.input_schema")}
-        desc = v.string(t, "description", where=w + ".")
-        if desc:
-            fn["description"] = desc
-        out.append({"type": "function", "function": fn})
-    return out or None
+        return t, w + ".", "input_schema"
+    return v.function_tools(raw, "tools", fields)
 
 
 def parse_tool_choice(raw, tools):

@@ -111,29 +111,12 @@ def _args(a, where: str) -> dict:
 
 
 def parse_tools(raw, where: str = "tools") -> list[dict] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise bad_request(f"'{where}' must be an array", where)
-    out, seen = [], set()
-    for i, t in enumerate(raw):
-        w = f"{where}[{i}]"
-        t = v.element(t, w)
+    def fields(t, w):
         if t.get("type") != "function":
             raise bad_request(f"'{w}.type' must be 'function' (only function tools are supported), got "
                               f"{t.get('type')!r}", f"{w}.type")
-        f = v.obj(t, "function", required=True, where=w + ".")
-        name = v.tool_name(f.get("name"), f"{w}.function.name")
-        if name in seen:
-            raise bad_request(f"'{w}.function.name': the tool name '{name}' is given twice", f"{w}.function.name")
-        seen.add(name)
-        desc = v.string(f, "description", where=w + ".function.")
-        params = v.json_schema(f.get("parameters"), f"{w}.function.parameters")
-        fn = {"name": name, "parameters": params}
-        if desc:
-            fn["description"] = desc
-        out.append({"type": "function", "function": fn})
-    return out or None
+        return v.obj(t, "function", required=True, where=w + "."), f"{w}.function.", "parameters"
+    return v.function_tools(raw, where, fields)
 
 
 def parse_tool_choice(raw, tools, where: str = "tool_choice"):

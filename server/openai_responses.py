@@ -142,26 +142,11 @@ def items_to_messages(items: list[dict], instructions: str | None) -> list[dict]
 
 
 def parse_tools(raw) -> list[dict] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise bad_request("'tools' must be an array", "tools")
-    out, seen = [], set()
-    for i, t in enumerate(raw):
-        w = f"tools[{i}]"
-        t = v.element(t, w)
+    def fields(t, w):
         if t.get("type") != "function":
             raise bad_request(f"'{w}.type' {t.get('type')!r}: only function tools are supported", f"{w}.type")
-        name = v.tool_name(t.get("name"), f"{w}.name")
-        if name in seen:
-            raise bad_request(f"'{w}.name': the tool name '{name}' is given twice", f"{w}.name")
-        seen.add(name)
-        fn = {"name": name, "parameters": v.json_schema(t.get("parameters"), f"{w}.parameters")}
-        desc = v.string(t, "description", where=w + ".")
-        if desc:
-            fn["description"] = desc
-        out.append({"type": "function", "function": fn})
-    return out or None
+        return t, w + ".", "parameters"
+    return v.function_tools(raw, "tools", fields)
 
 
 def parse_tool_choice(raw, tools):

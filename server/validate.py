@@ -174,3 +174,27 @@ def tool_name(v, name: str) -> str:
     if len(v) > 128 or any(c in v for c in "<>\n\r\t "):
         raise bad_request(f"'{name}' must be at most 128 characters without spaces or '<', '>' ({v[:40]!r})", name)
     return v
+
+
+def function_tools(raw, where: str, element_fields) -> list[dict] | None:
+    """A tools array, validated into the chat template's {"type": "function", "function": {...}} shape.
+    `element_fields(t, w)` checks one element the protocol's way and returns (d, prefix, schema_key): the
+    dict holding name/description/schema, its key path for messages, and the schema's key."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise bad_request(f"'{where}' must be an array", where)
+    out, seen = [], set()
+    for i, t in enumerate(raw):
+        w = f"{where}[{i}]"
+        d, p, schema_key = element_fields(element(t, w), w)
+        name = tool_name(d.get("name"), f"{p}name")
+        if name in seen:
+            raise bad_request(f"'{p}name': the tool name '{name}' is given twice", f"{p}name")
+        seen.add(name)
+        fn = {"name": name, "parameters": json_schema(d.get(schema_key), f"{p}{schema_key}")}
+        desc = string(d, "description", where=p)
+        if desc:
+            fn["description"] = desc
+        out.append({"type": "function", "function": fn})
+    return out or None
