@@ -12,7 +12,7 @@ from pathlib import Path
 from .expr import ExprError, evaluate, free_names, lower
 from .yamlio import SpecError, load_yaml
 
-DTYPES = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int"}
+DTYPES = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int", "u8": "unsigned char"}
 PARAM_TYPES = {"f32", "i32"}
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 TILE_RE = re.compile(r"^[a-z0-9][a-z0-9_]*$")

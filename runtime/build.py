@@ -34,8 +34,9 @@ def _compile(kernel: dict):
 
 @click.command()
 @click.option("--archs", default="", help="comma-separated archs to build (default: all in the manifest)")
+@click.option("--ops", default="", help="comma-separated ops to build (default: all)")
 @click.option("--jobs", type=int, default=0, help="parallel compiles (default: by cores and free memory)")
-def main(archs: str, jobs: int) -> None:
+def main(archs: str, ops: str, jobs: int) -> None:
     try:
         manifest = Manifest.load()
     except ManifestError as e:
@@ -47,7 +48,12 @@ def main(archs: str, jobs: int) -> None:
         click.echo(f"build failed: unknown arch(s) {', '.join(sorted(wanted - known))} "
                    f"(the manifest has: {', '.join(sorted(known))})", err=True)
         sys.exit(1)
-    todo = [k.data for k in manifest.kernels.values() if not wanted or k.arch in wanted]
+    only = {o.strip() for o in ops.split(",") if o.strip()}
+    if only - set(manifest.ops):
+        click.echo(f"build failed: unknown op(s) {', '.join(sorted(only - set(manifest.ops)))}", err=True)
+        sys.exit(1)
+    todo = [k.data for k in manifest.kernels.values()
+            if (not wanted or k.arch in wanted) and (not only or k.data["op"] in only)]
     jobs = jobs or default_jobs()
     t0 = time.perf_counter()
     compiled = cached = 0

@@ -9,7 +9,8 @@ import re
 
 import torch
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32,
+                "u8": torch.uint8}
 _SCALED = re.compile(r"^(?:([1-9][0-9]*)\*)?([A-Za-z_][A-Za-z0-9_]*)$")
 
 
@@ -28,6 +29,12 @@ def bind(op_name: str, contract: dict, dtype: str, tensors: dict, params: dict) 
                             f"(the op takes: {', '.join([*inputs, *outputs, *states])})")
     if dtype not in contract["dtypes"]:
         raise ContractError(f"{op_name}: dtype {dtype} is not supported (allowed: {', '.join(contract['dtypes'])})")
+    # a dim no tensor shape reveals (e.g. the rows of a packed weight, a byte string) is passed by name
+    params = dict(params)
+    given = {k: params.pop(k) for k in list(params) if k in contract["dims"]}
+    for k, v in given.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ContractError(f"{op_name}: dim {k} must be a positive int, got {v!r}")
     dims: dict[str, int] = {}
     device = None
     for name, spec in {**inputs, **outputs, **states}.items():
@@ -56,10 +63,16 @@ def bind(op_name: str, contract: dict, dtype: str, tensors: dict, params: dict) 
             if size % mult:
                 raise ContractError(f"{op_name}: argument {name} axis {axis} is {size}, expected a multiple of {mult} ({d})")
             val = size // mult
+            if dim in given and given[dim] != val:
+                raise ContractError(f"{op_name}: argument {name} axis {axis} gives {dim}={val}, but {dim}={given[dim]} was passed")
             if dim in dims and dims[dim] != val:
                 raise ContractError(f"{op_name}: argument {name} axis {axis} gives {dim}={val}, "
                                     f"but an earlier argument gave {dim}={dims[dim]} (shape {shape})")
             dims[dim] = val
+    dims.update(given)
+    unbound = sorted(set(contract["dims"]) - dims.keys())
+    if unbound:
+        raise ContractError(f"{op_name}: dim(s) {', '.join(unbound)} appear in no tensor shape: pass them by name")
     if dims.get("T", 1) < 1:
         raise ContractError(f"{op_name}: T (tokens) must be >= 1, got {dims['T']}")
     bound = {}

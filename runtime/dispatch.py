@@ -11,14 +11,16 @@ device, CPU in CI) through the same interface.
 from __future__ import annotations
 
 import ctypes
+import functools
 import inspect
+from collections import OrderedDict
 from typing import Callable
 
 import torch
 
 from .contracts import ContractError, bind
 from .manifest import Manifest, RouteError, evaluate
-from .reference import REFERENCES
+from .reference_quant import ALL_REFERENCES as REFERENCES
 
 
 def _split(contract: dict, args: dict) -> tuple[dict, dict]:
@@ -47,6 +49,11 @@ def _check_aliasing(op: str, contract: dict, tensors: dict) -> None:
                 continue
             if tensors[out].data_ptr() == tensors[other].data_ptr() and contract["aliases"].get(out) != other:
                 raise ContractError(f"{op}: {out} shares memory with {other}, which the contract does not allow")
+
+
+@functools.lru_cache(maxsize=None)
+def _wants_dims(fn) -> bool:
+    return "dims" in inspect.signature(fn).parameters
 
 
 class Backend:
@@ -83,7 +90,7 @@ class ReferenceBackend(Backend):
         ins = {k: tensors[k] for k in [*contract["inputs"], *contract["states"]]}
         outs = {k: tensors[k] for k in [*contract["outputs"], *contract["states"]]}
 
-        extra = {"dims": dims} if "dims" in inspect.signature(fn).parameters else {}
+        extra = {"dims": dims} if _wants_dims(fn) else {}
 
         def call():
             # fp32 math (fp64 stays fp64: the test oracles); the result is rounded once into each output
@@ -103,6 +110,39 @@ class CudaBackend(Backend):
         from .cuda import device
         self.device = device(device_index)
         self._modules: dict[str, object] = {}
+        self._plans: OrderedDict = OrderedDict()
+
+    PLAN_CACHE = 8192
+    # set to a list to record (op, route instance, dims, start, end) CUDA events of every run() (eager calls;
+    # graph replays are not seen): `ninfer-bench model --profile` reads it
+    profile: list | None = None
+
+    def run(self, op: str, *, route: str | None = None, **args) -> None:
+        launch = self.plan(op, route=route, **args)
+        if self.profile is None:
+            launch()
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        self.profile.append((op, launch.kernel.instance, launch.dims, start, end))
+
+    def plan(self, op: str, *, route: str | None = None, **args):
+        """Plans are cached by everything that determines them (op, route, each tensor's address, shape and
+        dtype, each scalar): eager prefill re-plans ~800 calls per chunk and the caching allocator hands out
+        the same buffers chunk after chunk, so a repeat costs a dict lookup instead of a bind + resolve."""
+        key = (op, route, *((k, v.data_ptr(), v.shape, v.dtype) if isinstance(v, torch.Tensor) else (k, v)
+                            for k, v in args.items()))
+        hit = self._plans.get(key)
+        if hit is not None:
+            self._plans.move_to_end(key)
+            return hit
+        launch = self._plan(op, route=route, **args)
+        self._plans[key] = launch
+        if len(self._plans) > self.PLAN_CACHE:
+            self._plans.popitem(last=False)
+        return launch
 
     def module(self, kernel) -> object:
         from .cubins import check_arch, compile_kernel
@@ -125,7 +165,7 @@ class CudaBackend(Backend):
             return self.manifest.resolve(arch, op, dtype, problem, dims["T"])
         return self.manifest.kernel(arch, op, route, dtype)
 
-    def plan(self, op: str, *, route: str | None = None, **args):
+    def _plan(self, op: str, *, route: str | None = None, **args):
         from .cuda import Launch, encode_tmap_2d
         contract = self.contract(op)
         tensors, params = _split(contract, args)
@@ -160,7 +200,7 @@ class CudaBackend(Backend):
         grid = tuple(int(evaluate(g, env)) for g in kernel.grid)
         block = tuple(int(evaluate(b, env)) for b in kernel.block)
         launch = Launch(self.module(kernel), grid, block, int(evaluate(kernel.smem, env)), values)
-        launch.kernel = kernel
+        launch.kernel, launch.dims = kernel, dims
         return launch
 
 

@@ -25,5 +25,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="no CUDA GPU (cuInit raised or found no device)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):   # the marker, not the keyword: tests/gpu/ also holds CPU checks
             item.add_marker(skip)

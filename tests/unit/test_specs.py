@@ -57,7 +57,7 @@ def test_unknown_key_lists_allowed(spec_tree):
 def test_unknown_dtype(spec_tree):
     specs, _ = spec_tree
     edit(specs / "ops" / "add.yaml", lambda d: d["inputs"]["a"].update(dtype="bf17"))
-    fails(spec_tree, "ops/add.yaml: inputs.a.dtype: unknown dtype 'bf17' (allowed: $dtype, bf16, f16, f32, i32)")
+    fails(spec_tree, "ops/add.yaml: inputs.a.dtype: unknown dtype 'bf17' (allowed: $dtype, bf16, f16, f32, i32, u8)")
 
 
 def test_unknown_arch(spec_tree):
