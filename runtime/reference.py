@@ -23,6 +23,11 @@ def rms_norm_zc(x, w, eps):
     return {"y": _norm(x, eps) * (1 + w)}
 
 
+def add_rms_norm_zc(a, b, w, eps):
+    s = a + b
+    return {"s": s, "y": _norm(s, eps) * (1 + w)}
+
+
 def add(a, b):
     return {"y": a + b}
 
@@ -109,7 +114,8 @@ def gdn_conv(x, w, query_start, slots, conv_state):
     return {"y": y, "conv_state": conv_state}
 
 
-def gdn_gates(a, b, A_log, dt_bias):
+def gdn_gates(ba, A_log, dt_bias):
+    b, a = ba.chunk(2, dim=-1)
     return {"g": -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float()), "beta": torch.sigmoid(b.float())}
 
 
@@ -139,6 +145,13 @@ def gdn_delta_rule(qkv, g, beta, query_start, slots, state, num_k_heads, scale, 
 
 def gdn_gated_norm(o, z, w, eps):
     return {"y": w * _norm(o, eps) * F.silu(z)}
+
+
+def moe_router(x, w):
+    # fp32 (fp64 stays fp64) and never rounded to the run dtype: the top-k reading these logits flips on
+    # differences below one bf16 ulp
+    x, w = (t if t.dtype == torch.float64 else t.float() for t in (x, w))
+    return {"logits": x @ w.T}
 
 
 def moe_topk(logits, renormalize, dims):
@@ -209,7 +222,7 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
     return {"ids": ids}
 
 
-REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
+REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
                                       attn_qk_prep, kv_cache_write, paged_attention, gdn_conv, gdn_gates,
-                                      gdn_delta_rule, gdn_gated_norm, moe_topk, moe_experts, sigmoid_gate_add,
-                                      argmax, sample)}
+                                      gdn_delta_rule, gdn_gated_norm, moe_router, moe_topk, moe_experts,
+                                      sigmoid_gate_add, argmax, sample)}

@@ -1,6 +1,7 @@
 """Write the model oracle the GPU tests compare against (run on the CPU machine, where transformers
 5.24 is; the GPU machine has another transformers): tiny checkpoints -> bf16 .ninfer artifacts, prompts,
-transformers' greedy continuations and teacher-forced fp32 logits.
+transformers' greedy continuations and teacher-forced fp32 logits of the checkpoint with its weights
+rounded to bf16 as the artifact holds them (fp32 compute: the oracle of the model the GPU serves).
 
     python tests/gpu/make_oracle.py OUTDIR      (then carry OUTDIR to the GPU run; NINFER_ORACLE_DIR=OUTDIR)
 """
@@ -16,6 +17,9 @@ from ninfer.runtime.convert import convert, plan_conversion  # noqa: E402
 
 KINDS = {"dense": "Qwen3_5ForCausalLM", "moe": "Qwen3_5MoeForCausalLM", "next": "Qwen3NextForCausalLM"}
 NEW = 32
+BF16_ALL = [("*", "bf16"), ("gdn_A_log", "fp32"), ("gdn_dt_bias", "fp32")]
+# "mix": the recipe's own choice per role (q4 / q5 / q6); the others quantize every quantizable role
+PACKED_ARTIFACTS = {"dense": ("mix", "w8", "fp8"), "moe": ("mix",), "next": ("mix",)}
 
 
 def main(out: Path) -> None:
@@ -25,8 +29,17 @@ def main(out: Path) -> None:
     g = torch.Generator().manual_seed(42)
     for kind, cls in KINDS.items():
         d = build(kind, out / "ckpt")
-        convert(plan_conversion(d, fmt="bf16"), out / f"{kind}.ninfer")  # the GPU runs bf16 anyway
+        # every tensor bf16 but A_log / dt_bias, exactly what the GPU engine computes with (it casts float
+        # roles such as norms and the router to bf16 at load): artifact, reference engine and oracle agree
+        convert(plan_conversion(d, fmt="bf16", overrides=BF16_ALL), out / f"{kind}.ninfer")
+        for fmt in PACKED_ARTIFACTS.get(kind, ()):    # packed weights: the GPU test compares with the reference
+            convert(plan_conversion(d, fmt=None if fmt == "mix" else fmt), out / f"{kind}.{fmt}.ninfer")
         hf = getattr(transformers, cls).from_pretrained(d, dtype=torch.float32).eval()
+        # the oracle is the model the bf16 artifact holds: the GPU engine keeps only A_log and dt_bias in fp32
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if not name.endswith(("A_log", "dt_bias")):
+                    p.copy_(p.bfloat16().float())
         cases = []
         for n in (1, 9, 40, 3, 17, 25, 11, 6):  # 8 prompts: the batch test uses all of them
             ids = torch.randint(0, 1024, (1, n), generator=g)

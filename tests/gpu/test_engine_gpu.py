@@ -44,16 +44,84 @@ def margin_ok_prefix(logits: torch.Tensor, n_prompt: int, atol: float) -> int:
     return len(margins)
 
 
+class Routing:
+    """A backend proxy that records every moe_topk result (weights, ids), or replays a recording into them.
+
+    Top-k routing is discontinuous: on random tiny MoE models about 2 % of (token, layer) choices sit within
+    bf16 noise of a tie, and one flipped expert moves the logits far beyond any bf16 tolerance (transformers
+    itself in bf16 is 0.15 / 0.08 rel_l2 from its fp32 run). So the logits test replays the fp32 reference
+    engine's routing (the oracle's, up to 2e-4) in the cuda run, and measures the kernels' precision; the
+    routing kernels are tested on their own (moe_router within model_fp32, moe_topk exact) and the
+    unpinned agreement rate below."""
+
+    def __init__(self, inner, replay=None):
+        self.inner, self.replay, self.log = inner, replay, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def run(self, op, **args):
+        self.inner.run(op, **args)
+        if op != "moe_topk":
+            return
+        if self.replay is None:
+            self.log.append((args["weights"].cpu().clone(), args["ids"].cpu().clone()))
+        else:
+            w, i = self.replay.pop(0)
+            args["weights"].copy_(w)
+            args["ids"].copy_(i)
+
+
+def routed(eng, ids, replay=None):
+    inner, eng.be = eng.be, Routing(eng.be, replay)
+    try:
+        return eng.score(ids), eng.be.log
+    finally:
+        eng.be = inner
+
+
+@pytest.fixture(scope="module")
+def reference_engines():
+    from ninfer.runtime.engine import Engine
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            made[kind] = Engine(ORACLE / f"{kind}.ninfer", backend="reference", max_context=128, prefill_chunk=16)
+        return made[kind]
+    return get
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_logits_within_bf16_tolerance(engines, kind):
+def test_logits_within_bf16_tolerance(engines, reference_engines, kind):
     eng = engines(kind)
     preset = eng.be.manifest.tolerances["model_bf16"]
     for case in cases(kind)[:4]:
         ids = case["prompt"] + case["greedy"]
-        got = eng.score(ids)
+        if kind == "dense":
+            got = eng.score(ids)
+        else:   # MoE: the oracle's routing, see Routing
+            _, log = routed(reference_engines(kind), ids)
+            got, _ = routed(eng, ids, replay=log)
         v = compare(got.float(), case["logits"].float(), preset, f"{kind} n={len(case['prompt'])}")
         assert v, v.detail
     assert eng.cache.in_use == (0, 0)
+
+
+@pytest.mark.parametrize("kind", ["moe", "next"])
+def test_unpinned_routing_agrees_with_the_reference(engines, reference_engines, kind):
+    """The cuda engine's own routing (fp32 router logits from bf16 activations) picks the reference's expert
+    set for nearly every (token, layer): only near-ties may differ."""
+    agree = total = 0
+    for case in cases(kind)[:4]:
+        ids = case["prompt"] + case["greedy"]
+        _, want = routed(reference_engines(kind), ids)
+        _, got = routed(engines(kind), ids)
+        assert len(got) == len(want)
+        for (_, a), (_, b) in zip(got, want):
+            agree += (a.sort(-1).values == b.sort(-1).values).all(-1).sum().item()
+            total += a.shape[0]
+    assert agree / total >= 0.95, f"{kind}: routing agrees on {agree} of {total} (token, layer) choices"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -85,3 +153,33 @@ def test_reference_backend_agrees(engines):
     ids = cases("dense")[2]["prompt"]
     v = compare(eng.score(ids).float().cpu(), ref.score(ids), preset, "cuda vs reference")
     assert v, v.detail
+
+
+PACKED = [("dense", "mix"), ("dense", "w8"), ("dense", "fp8"), ("moe", "mix"), ("next", "mix")]
+
+
+@pytest.mark.parametrize("kind,fmt", PACKED)
+def test_packed_weights_match_the_reference_backend(kind, fmt):
+    """Linear and expert weights kept packed (q4/q5/q6/w8/fp8 kernels) against the reference backend on the
+    same artifact (exact decode, fp32 math): logits within model_bf16 at every position, greedy tokens
+    identical wherever the reference's top-1 margin exceeds twice the tolerance."""
+    from ninfer.runtime.engine import Engine
+    from ninfer.runtime.weights import PackedWeight
+    path = ORACLE / f"{kind}.{fmt}.ninfer"
+    if not path.is_file():
+        pytest.skip(f"no packed artifact at {path} (python tests/gpu/make_oracle.py {ORACLE})")
+    eng = Engine(path, backend="cuda", max_context=128, max_seqs=8, prefill_chunk=16)
+    ref = Engine(path, backend="reference", max_context=128)
+    assert any(isinstance(w, PackedWeight) for w in eng.weights.values())
+    preset = eng.be.manifest.tolerances["model_bf16"]
+    for case in cases(kind)[:3]:
+        ids = case["prompt"] + case["greedy"]
+        want = ref.score(ids)
+        v = compare(eng.score(ids).float().cpu(), want, preset, f"{kind}.{fmt} n={len(case['prompt'])}")
+        assert v, v.detail
+        n = len(case["prompt"])
+        greedy = ref.generate([case["prompt"]], max_new=16)[0].generated
+        decided = margin_ok_prefix(ref.score(case["prompt"] + greedy), n, preset["atol"])
+        got = eng.generate([case["prompt"]], max_new=16)[0].generated
+        assert got[:decided] == greedy[:decided], f"{kind}.{fmt} n={n}: first {decided} tokens are decided"
+    assert eng.cache.in_use == (0, 0)

@@ -1,10 +1,11 @@
-"""The MoE ops on the GPU (moe_topk, moe_experts, sigmoid_gate_add) against the reference backend run on cloned
-GPU tensors (fp32 math), with each contract's named tolerance; route tables at every span boundary, every route
-instance called by name, the Qwen3.6-35B-A3B / Qwen3-Next / tiny shapes, ties, repeated experts, aliasing, and
-the SparseMoE chain captured in a CUDA graph. Skips cleanly without a GPU (the conftest marks `gpu` tests)."""
+"""The MoE ops on the GPU (moe_router, moe_topk, moe_experts, sigmoid_gate_add) against the reference backend run
+on cloned GPU tensors (fp32 math), with each contract's named tolerance; route tables at every span boundary, every
+route instance called by name, the Qwen3.6-35B-A3B / Qwen3-Next / tiny shapes, ties, repeated experts, aliasing,
+and the SparseMoE chain captured in a CUDA graph. Skips cleanly without a GPU (the conftest marks `gpu` tests)."""
 import pytest
 import torch
 
+from ninfer.runtime.contracts import ContractError
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
@@ -69,6 +70,76 @@ def admissible(be, op, instance, dims):
     return all(evaluate(c, dims) for c in k.constraints)
 
 
+# ------------------------------------------------------------------------------------------------- moe_router
+# (E, H): Qwen3.6-35B-A3B, Qwen3-Next-80B-A3B, the tiny test models, and a small odd one (H/8 = 9 vectors).
+ROUTER_SHAPES = [(256, 2048), (512, 2048), (8, 256), (10, 72)]
+
+
+def router_case(be, ref, T, E, H, seed, route=None):
+    g = gen(seed)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(E, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+    logits = nan_like((T, E), torch.float32)
+    plan = be.plan("moe_router", route=route, x=x, w=w, logits=logits)
+    plan()
+    torch.cuda.synchronize()
+    rl = nan_like((T, E), torch.float32)
+    ref.run("moe_router", x=x.clone(), w=w.clone(), logits=rl)
+    what = f"moe_router T={T} E={E} H={H} via {plan.kernel.instance}"
+    check_outputs(be, "moe_router", {"logits": logits}, {"logits": rl}, what)
+    # stored in fp32, not rounded to bf16 (model_fp32 already refuses that; this names the failure)
+    assert (logits != logits.bfloat16().float()).float().mean().item() > 0.5, f"{what}: logits look bf16-rounded"
+    return plan.kernel.instance
+
+
+@pytest.mark.parametrize("E,H", ROUTER_SHAPES)
+def test_router_table(be, ref, E, H):
+    for T in sorted({*span_ts(be, "moe_router", {"E": E, "H": H}), 1, 2, 7, 8, 9, 16, 17, 33, 1000, 1024}):
+        router_case(be, ref, T, E, H, seed=T * 13 + E + H)
+
+
+def test_router_every_route(be, ref):
+    for inst in instances(be, "moe_router"):
+        for E, H in ROUTER_SHAPES:
+            for T in (1, 3, 8, 9, 16, 17, 130):
+                if admissible(be, "moe_router", inst, {"T": T, "E": E, "H": H}):
+                    assert router_case(be, ref, T, E, H, seed=5 * T + E, route=inst) == inst
+
+
+def test_router_more_token_groups_than_grid_rows(be, ref):
+    """grid.y is capped at 65535 token groups; past that each block walks several groups."""
+    E, H = 10, 72
+    for inst in instances(be, "moe_router"):
+        tg = be.manifest.kernel(be.device.arch, "moe_router", inst, "bf16").data["tile_params"]["tg"]
+        T = 65535 * tg + 2 * tg + 3
+        assert router_case(be, ref, T, E, H, seed=99, route=inst) == inst
+
+
+def test_router_in_cuda_graph(be, ref):
+    """The decode routes replay from a CUDA graph on new x."""
+    E, H = 256, 2048
+    for T in (1, 8):
+        g = gen(500 + T)
+        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(E, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+        logits = nan_like((T, E), torch.float32)
+        plan = be.plan("moe_router", x=x, w=w, logits=logits)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            plan()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            plan()
+        x.copy_(torch.randn(T, H, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        rl = nan_like((T, E), torch.float32)
+        ref.run("moe_router", x=x.clone(), w=w.clone(), logits=rl)
+        check_outputs(be, "moe_router", {"logits": logits}, {"logits": rl}, f"moe_router graph T={T}")
+
+
 # ---------------------------------------------------------------------------------------------------- moe_topk
 def topk_case(be, ref, T, E, K, renormalize, logits, route=None):
     w, ids = nan_like((T, K), torch.float32), nan_like((T, K), torch.int32)
@@ -91,7 +162,7 @@ TOPK_SHAPES = [(256, 8), (512, 10), (8, 2), (40, 3), (64, 32), (33, 32)]
 @pytest.mark.parametrize("renormalize", [1, 0])
 def test_topk_table(be, ref, E, K, renormalize):
     for T in sorted({*span_ts(be, "moe_topk", {"E": E, "K": K}), 2, 3, 4, 5, 1000}):
-        logits = (torch.randn(T, E, device="cuda", generator=gen(T * 31 + E)) * 2).bfloat16()
+        logits = torch.randn(T, E, device="cuda", generator=gen(T * 31 + E)) * 2
         topk_case(be, ref, T, E, K, renormalize, logits)
 
 
@@ -100,7 +171,7 @@ def test_topk_ties_lower_id_wins(be, ref, E, K):
     """Exactly equal logits (few distinct values, a constant row, a tie exactly at the K boundary)."""
     T = 37
     g = gen(E + K)
-    logits = torch.randint(0, 4, (T, E), device="cuda", generator=g).float().bfloat16()
+    logits = torch.randint(0, 4, (T, E), device="cuda", generator=g).float()
     logits[0] = 1.0                                   # every expert equal: ids 0..K-1
     logits[1] = 0.0
     logits[1, E - 1] = logits[1, E - 2] = 2.0         # the two largest at the top ids: E-2 before E-1
@@ -120,7 +191,7 @@ def test_topk_every_route(be, ref):
         for E, K in TOPK_SHAPES:
             for T in (1, 3, 4, 5, 129):
                 if admissible(be, "moe_topk", inst, {"T": T, "E": E, "K": K}):
-                    logits = torch.randn(T, E, device="cuda", generator=gen(7 * T + E)).bfloat16()
+                    logits = torch.randn(T, E, device="cuda", generator=gen(7 * T + E))
                     assert topk_case(be, ref, T, E, K, 1, logits, route=inst) == inst
 
 
@@ -226,10 +297,17 @@ def test_sigmoid_gate_add_every_route(be, ref):
 
 # --------------------------------------------------------------------------------------------------- bad calls
 def test_bad_calls_are_clear_errors(be):
-    logits = torch.randn(2, 600, device="cuda").bfloat16()
+    logits = torch.randn(2, 600, device="cuda")
     w, ids = nan_like((2, 8), torch.float32), nan_like((2, 8), torch.int32)
     with pytest.raises(RouteError, match=r"moe_topk: route warp\.\w+ \(sm_\w+\) requires E <= \d+"):
         be.plan("moe_topk", logits=logits, weights=w, ids=ids)
+    with pytest.raises(ContractError, match=r"moe_topk: argument logits has dtype torch.bfloat16, expected torch.float32"):
+        be.plan("moe_topk", logits=logits[:, :256].bfloat16().contiguous(), weights=w, ids=ids)
+    x, router = torch.randn(2, 252, device="cuda").bfloat16(), torch.randn(16, 252, device="cuda").bfloat16()
+    with pytest.raises(RouteError, match=r"moe_router: route gemv\.\w+ \(sm_\w+\) requires H % 8 == 0"):
+        be.plan("moe_router", x=x, w=router, logits=nan_like((2, 16), torch.float32))
+    with pytest.raises(ContractError, match=r"moe_router: argument logits has dtype torch.bfloat16, expected torch.float32"):
+        be.plan("moe_router", x=x, w=router, logits=nan_like((2, 16), torch.bfloat16))
     ins = expert_inputs(2, 256, 8, 128, 2, seed=1)
     ins["x"] = torch.randn(2, 252, device="cuda").bfloat16()
     ins["gate_up"] = torch.randn(8, 256, 252, device="cuda").bfloat16()
@@ -241,19 +319,20 @@ def test_bad_calls_are_clear_errors(be):
 # ------------------------------------------------------------------------------------- the SparseMoE chain, graphed
 @pytest.mark.parametrize("shape,T", [(QWEN36_35B, 1), (QWEN36_35B, 6), (TINY, 5)], ids=["35b-t1", "35b-t6", "tiny-t5"])
 def test_sparse_moe_chain_in_cuda_graph(be, ref, shape, T):
-    """router linear -> moe_topk -> moe_experts -> (shared expert) -> sigmoid_gate_add, as runtime/models/blocks.py
-    calls them, captured once and replayed on new x: equal to eager, and close to the reference chain."""
+    """moe_router (fp32 logits) -> moe_topk -> moe_experts -> (shared expert) -> sigmoid_gate_add, as
+    runtime/models/blocks.py calls them, captured once and replayed on new x: equal to eager, and close to the
+    reference chain."""
     H, E, I, K = (shape[d] for d in ("H", "E", "I", "K"))
     g = gen(77 + T)
     r = lambda *s, scale=1.0: (torch.randn(*s, device="cuda", generator=g) * scale).bfloat16()  # noqa: E731
     router, shared_gate = r(E, H, scale=H ** -0.5), r(1, H, scale=H ** -0.5)
     gate_up, down = r(E, 2 * I, H, scale=H ** -0.5), r(E, H, I, scale=I ** -0.5)
     x, shared = r(T, H), r(T, H)
-    bufs = {"logits": nan_like((T, E), torch.bfloat16), "weights": nan_like((T, K), torch.float32),
+    bufs = {"logits": nan_like((T, E), torch.float32), "weights": nan_like((T, K), torch.float32),
             "ids": nan_like((T, K), torch.int32), "y": nan_like((T, H), torch.bfloat16), "g": nan_like((T, 1), torch.bfloat16)}
 
     def plans(b, backend):
-        return [backend.plan("linear", x=x, w=router, y=b["logits"]),
+        return [backend.plan("moe_router", x=x, w=router, logits=b["logits"]),
                 backend.plan("moe_topk", logits=b["logits"], weights=b["weights"], ids=b["ids"], renormalize=1),
                 backend.plan("moe_experts", x=x, gate_up=gate_up, down=down, weights=b["weights"], ids=b["ids"], y=b["y"]),
                 # N=1: the default linear table's mma spans need N % 8 == 0, so the gemv route (T <= 8) is named
@@ -283,8 +362,10 @@ def test_sparse_moe_chain_in_cuda_graph(be, ref, shape, T):
         torch.cuda.synchronize()
         for k in bufs:
             assert torch.equal(replayed[k], bufs[k]), f"replay {trial}: {k} differs from eager"
-        # Reference chain on the kernels' own router logits (a bf16 logit rounding could flip a near-tie).
+        # Reference chain on the kernels' own router logits (a summation-order difference could flip a near-tie).
         rb = {k: nan_like(v.shape, v.dtype) for k, v in bufs.items()}
+        ref.run("moe_router", x=x.clone(), w=router.clone(), logits=rb["logits"])
+        check_outputs(be, "moe_router", bufs, rb, f"chain {shape} T={T} replay {trial}")
         rb["logits"].copy_(bufs["logits"])
         rb["g"].copy_(bufs["g"])
         ref.run("moe_topk", logits=rb["logits"], weights=rb["weights"], ids=rb["ids"], renormalize=1)

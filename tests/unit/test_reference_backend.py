@@ -85,3 +85,19 @@ def test_auto_backend_is_reference_without_gpu():
     assert backend("auto").name == ("cuda" if gpu_available() else "reference")
     with pytest.raises(ValueError, match="unknown backend 'tpu'"):
         backend("tpu")
+
+
+def test_moe_router_logits_are_fp32_and_moe_topk_reads_them(be):
+    """The router logits are accumulated and stored in fp32 (a bf16 rounding flips near-tie top-k choices)."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 72, generator=g).bfloat16(), (torch.randn(10, 72, generator=g) * 72 ** -0.5).bfloat16()
+    logits = torch.full((5, 10), float("nan"))
+    be.run("moe_router", x=x, w=w, logits=logits)
+    v = compare(logits, x.double() @ w.double().T, be.manifest.tolerances[be.contract("moe_router")["tolerance"]])
+    assert v, v.detail
+    assert (logits != logits.bfloat16().float()).all()
+    weights, ids = torch.empty(5, 2), torch.empty(5, 2, dtype=torch.int32)
+    be.run("moe_topk", logits=logits, weights=weights, ids=ids)
+    assert torch.equal(ids, logits.topk(2, dim=-1).indices.int())
+    with pytest.raises(ContractError, match="moe_topk: argument logits has dtype torch.bfloat16, expected torch.float32"):
+        be.run("moe_topk", logits=logits.bfloat16(), weights=weights, ids=ids)
