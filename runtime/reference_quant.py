@@ -1,0 +1,99 @@
+"""Torch references of the ops over packed weights (rowtile128-v1, specs/formats.md §3).
+
+`unpack` rebuilds the exact float32 matrix a packed tensor encodes, on the tensor's own device, so the
+reference backend (and the GPU tests' oracle) can run any packed op as "decode, then the bf16 op's math".
+It shares the tile arithmetic with the codecs in runtime/format_*.py (same plane sizes and offsets).
+"""
+from __future__ import annotations
+
+import torch
+
+from .format_base import K_ALIGN, TILE_ROWS, align_up
+from .formats import get_format
+from .reference import REFERENCES, linear, moe_experts
+
+PACKED = ("q4", "q5", "q6", "w8", "fp8")
+
+
+def _int_codes(planes: list[torch.Tensor], bits: int, n: int) -> torch.Tensor:
+    """Planes of one stack of tiles [nt, bytes] -> signed codes [nt, n] (n = r * kp lanes)."""
+    if bits == 8:
+        return planes[0].view(torch.int8).to(torch.int32)
+    low = planes[0].to(torch.int32)
+    u = torch.stack([low & 15, low >> 4], dim=-1).reshape(low.shape[0], n)
+    if bits > 4:
+        hb = bits - 4
+        per = 8 // hb
+        shifts = torch.arange(per, device=u.device, dtype=torch.int32) * hb
+        high = (planes[1].to(torch.int32)[..., None] >> shifts) & ((1 << hb) - 1)
+        u = u | (high.reshape(u.shape) << 4)
+    return u - (u >= (1 << (bits - 1))).to(torch.int32) * (1 << bits)
+
+
+def _decode_tiles(fmt: str, planes: list[torch.Tensor], r: int, kp: int) -> torch.Tensor:
+    nt = planes[0].shape[0]
+    if fmt == "fp8":
+        vals = planes[0].contiguous().view(torch.float8_e4m3fn).float().reshape(nt, r, kp)
+        return vals * planes[1].contiguous().view(torch.float32).reshape(nt, r, 1)
+    f = get_format(fmt)
+    codes = _int_codes(planes, f.bits, r * kp).float().reshape(nt, r, kp // f.group, f.group)
+    scales = planes[-1].contiguous().view(torch.float16).float().reshape(nt, r, kp // f.group, 1)
+    return (codes * scales).reshape(nt, r, kp)
+
+
+def unpack(fmt: str, w: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Packed bytes (1-D uint8) of an [n, k] matrix -> float32 [n, k] on w's device."""
+    f = get_format(fmt)
+    if w.numel() != f.nbytes((n, k)):
+        raise ValueError(f"{fmt}: {w.numel()} bytes given, [{n}, {k}] needs {f.nbytes((n, k))}")
+    kp = align_up(k, K_ALIGN)
+    out, pos, full = [], 0, n // TILE_ROWS * TILE_ROWS
+    for start, stop in ((0, full), (full, n)):
+        if stop == start:
+            continue
+        r = min(TILE_ROWS, stop - start)
+        nt = (stop - start) // r
+        offsets, size = f.tile_layout(r, kp)
+        tiles = w[pos:pos + nt * size].reshape(nt, size)
+        pos += nt * size
+        planes = [tiles[:, o:o + s] for o, s in zip(offsets, f.plane_sizes(r, kp))]
+        out.append(_decode_tiles(fmt, planes, r, kp).reshape(nt * r, kp))
+    return torch.cat(out)[:, :k]
+
+
+def _linear_ref(fmt):
+    def ref(x, w, dims):
+        return linear(x, unpack(fmt, w, dims["N"], dims["K"]).to(x.dtype))
+    ref.__name__ = f"linear_{fmt}"
+    return ref
+
+
+def _dequant_ref(fmt):
+    def ref(w, dims):
+        return {"y": unpack(fmt, w, dims["T"], dims["K"])}
+    ref.__name__ = f"dequant_{fmt}"
+    return ref
+
+
+def moe_op(gate_up_fmt: str, down_fmt: str) -> str:
+    """The packed expert op for these two formats: moe_experts_q4, or moe_experts_q4_q5 when they differ."""
+    return f"moe_experts_{gate_up_fmt}" if gate_up_fmt == down_fmt else f"moe_experts_{gate_up_fmt}_{down_fmt}"
+
+
+# expert format pairs with their own op besides the same-format ones: the recipes' default (gate_up q4, down q5)
+MOE_PAIRS = [(f, f) for f in PACKED] + [("q4", "q5")]
+
+
+def _moe_ref(gu_fmt, dn_fmt):
+    def ref(x, gate_up, down, weights, ids, dims):
+        e, i, h = dims["E"], dims["I"], dims["H"]
+        gu = unpack(gu_fmt, gate_up, e * 2 * i, h).to(x.dtype).reshape(e, 2 * i, h)
+        dn = unpack(dn_fmt, down, e * h, i).to(x.dtype).reshape(e, h, i)
+        return moe_experts(x, gu, dn, weights, ids)
+    ref.__name__ = moe_op(gu_fmt, dn_fmt)
+    return ref
+
+
+QUANT_REFERENCES = {f.__name__: f for f in [*(_linear_ref(fmt) for fmt in PACKED), *(_dequant_ref(fmt) for fmt in PACKED),
+                                             *(_moe_ref(*p) for p in MOE_PAIRS)]}
+ALL_REFERENCES = {**REFERENCES, **QUANT_REFERENCES}

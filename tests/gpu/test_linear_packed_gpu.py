@@ -1,0 +1,178 @@
+"""The decode/verify GEMV over packed weights (linear_{q4,q5,q6,w8,fp8}, routes gemv and gemv_*) on the GPU.
+
+Weights come from the real codec (ninfer.runtime.formats.encode of random normal * 0.05 fp32 matrices),
+x is random bf16; every gemv tile runs at every T it admits on odd and even shapes (short last 128-row
+tile, K not a multiple of 128, K = 8), and is compared with the reference backend (exact decode, fp32
+matmul, one bf16 rounding) on clones under the op's preset. The buffers around the arguments are poisoned
+(NaN after x's last row and in its absent token rows, 0xFF bytes after w: NaN scales / E4M3 NaN codes,
+a sentinel after y) so a read past K, past T or past the packed bytes, or a write past y, shows up.
+Plus: the route table at T = 1, 8, 9 (9 is the mma route, the boundary), two real 27B shapes, and a
+CUDA-graph capture of a gemv call. Skips cleanly without a GPU."""
+import numpy as np
+import pytest
+import torch
+
+from ninfer.runtime.dispatch import ReferenceBackend
+from ninfer.runtime.formats import encode
+from ninfer.runtime.tolerance import compare
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = ["q4", "q5", "q6", "w8", "fp8"]
+NS = [1, 77, 128, 130, 300]
+KS = [8, 72, 128, 200, 5120]
+
+
+@pytest.fixture(scope="module")
+def be():
+    from ninfer.runtime.dispatch import CudaBackend
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return CudaBackend()
+
+
+@pytest.fixture(scope="module")
+def ref(be):
+    return ReferenceBackend(be.manifest)
+
+
+def is_gemv(route):
+    """A decode route: gemv or one of its variants (gemv_fma, ...)."""
+    return route == "gemv" or route.startswith("gemv_")
+
+
+def gemv_tiles(be, fmt):
+    """(instance, tmax) of every tile of every gemv route (gemv, gemv_fma, ...) built for this GPU's arch."""
+    out = [(k.instance, k.data["tile_params"]["tmax"]) for k in be.manifest.kernels.values()
+           if k.arch == be.device.arch and k.op == f"linear_{fmt}" and is_gemv(k.route) and k.dtype == "bf16"]
+    assert out, f"no gemv tiles for linear_{fmt} on {be.device.arch}"
+    return sorted(out)
+
+
+_WEIGHTS = {}
+
+
+def packed(fmt, n, k, seed=0):
+    """(bytes on the GPU inside a 0xFF-poisoned buffer, the fp32 source) for a random [n, k] matrix."""
+    key = (fmt, n, k, seed)
+    if key not in _WEIGHTS:
+        rng = np.random.default_rng(1000 * seed + 7 * n + k)
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        wb = encode(fmt, w)
+        buf = torch.full((wb.size + 4096,), 0xFF, dtype=torch.uint8)
+        buf[:wb.size] = torch.from_numpy(wb)
+        _WEIGHTS[key] = buf.cuda()[:wb.size]
+    return _WEIGHTS[key]
+
+
+def activations(T, k, tmax, seed):
+    """x [T, k] bf16, followed in memory by NaN rows up to tmax and a NaN tail."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.full((max(T, tmax) * k + 256,), float("nan"), dtype=torch.bfloat16)
+    buf[:T * k] = torch.randn(T * k, generator=g).bfloat16()
+    return buf.cuda()[:T * k].view(T, k)
+
+
+def output(T, n):
+    """y [T, n] poisoned with NaN, followed by a sentinel region."""
+    buf = torch.full((T * n + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    buf[T * n:] = 12.5
+    return buf, buf[:T * n].view(T, n)
+
+
+def run_and_check(be, ref, fmt, w, x, N, route=None):
+    """Run linear_{fmt} (a named route, or the table's), compare with the reference backend; return the
+    kernel instance used. Besides the preset (a norm test), a gemv result must be within one bf16 ulp of
+    the reference plus 1e-4 of its largest value, element by element: both sides accumulate exact
+    products in fp32, so anything more is a layout bug that a norm could hide."""
+    op = f"linear_{fmt}"
+    T = x.shape[0]
+    ybuf, y = output(T, N)
+    plan = be.plan(op, route=route, x=x, w=w, y=y)
+    plan()
+    torch.cuda.synchronize()
+    y_ref = torch.empty(T, N, dtype=torch.bfloat16, device="cuda")
+    ref.run(op, x=x.clone(), w=w.clone(), y=y_ref)
+    torch.cuda.synchronize()
+    where = f"{op} N={N} K={x.shape[1]} T={T} via {plan.kernel.instance}"
+    assert torch.all(ybuf[T * N:] == 12.5), f"{where}: wrote past y"
+    v = compare(y, y_ref, be.manifest.tolerances[be.contract(op)["tolerance"]], where)
+    assert v, v.detail
+    if is_gemv(plan.kernel.route):
+        d, r = (y.double() - y_ref.double()).abs(), y_ref.double().abs()
+        bound = r * 2.0 ** -7 + 1e-4 * r.max() + 1e-30
+        assert torch.all(d <= bound), f"{where}: max |d| / bound = {(d / bound).max().item():.2f} ({v.detail})"
+    return plan.kernel.instance
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("N,K", [(n, k) for n in NS for k in KS], ids=lambda v: str(v))
+def test_every_gemv_tile(be, ref, fmt, N, K):
+    w = packed(fmt, N, K)
+    for route, tmax in gemv_tiles(be, fmt):
+        for T in range(1, tmax + 1):
+            x = activations(T, K, tmax, seed=31 * T + K + N)
+            assert run_and_check(be, ref, fmt, w, x, N, route=route) == route
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_route_table_boundary(be, ref, fmt):
+    """No route named: the table's choice at T = 1, 8, 9 and at both sides of the last gemv span's end
+    (the hand-over to the mma route, T = 9 today), on an odd shape."""
+    N, K = 300, 200
+    op = f"linear_{fmt}"
+    spans = be.manifest.table(be.device.arch, op, "bf16", {"N": N, "K": K})
+    last = max(hi for lo, hi, use in spans if is_gemv(use.split(".")[0]) and hi is not None)
+    w = packed(fmt, N, K)
+    for T in sorted({1, 8, 9, last, last + 1}):
+        used = run_and_check(be, ref, fmt, w, activations(T, K, T, seed=T), N)
+        assert used == be.manifest.resolve(be.device.arch, op, "bf16", {"N": N, "K": K}, T).instance
+        assert is_gemv(used.split(".")[0]) == (T <= last), (T, used)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("N,K", [(17408, 5120), (5120, 17408)], ids=lambda v: str(v))
+def test_real_shape(be, ref, fmt, N, K):
+    """gate/up (17408 x 5120) and down (5120 x 17408) projections of the 27B model at T = 1 and 4, the
+    table's choice and every gemv tile that admits T."""
+    w = packed(fmt, N, K)
+    for T in (1, 4):
+        x = activations(T, K, T, seed=T)
+        run_and_check(be, ref, fmt, w, x, N)
+        for route, tmax in gemv_tiles(be, fmt):
+            if T <= tmax:
+                run_and_check(be, ref, fmt, w, x, N, route=route)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_graph_capture(be, ref, fmt):
+    """A gemv plan captured once and replayed twice gives the eager result, bit for bit, on new inputs."""
+    N, K, T = 300, 5120, 1
+    w = packed(fmt, N, K)
+    x = activations(T, K, T, seed=5)
+    y = torch.empty(T, N, dtype=torch.bfloat16, device="cuda")
+    plan = be.plan(f"linear_{fmt}", x=x, w=w, y=y)
+    assert is_gemv(plan.kernel.route)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        plan()  # warm-up (module load) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan()
+    outs = []
+    for trial in range(2):
+        x.copy_(torch.randn(T, K, generator=torch.Generator().manual_seed(100 + trial)).bfloat16())
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = y.clone()
+        plan()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, y), f"replay {trial} differs from eager"
+        y_ref = torch.empty_like(y)
+        ref.run(f"linear_{fmt}", x=x.clone(), w=w.clone(), y=y_ref)
+        v = compare(replayed, y_ref, be.manifest.tolerances["linear_tc"], f"graph replay {trial}")
+        assert v, v.detail
+        outs.append(replayed)
+    assert not torch.equal(outs[0], outs[1])  # the replays saw the new inputs

@@ -1,0 +1,87 @@
+"""Packed weights on the reference backend: the torch decoder equals the codecs byte for byte, random
+packed weights (benchmarks) are valid layouts, and a model whose linears stay packed computes what the
+same model with the weights decoded up front computes."""
+import numpy as np
+import pytest
+import torch
+
+from ninfer.runtime.dispatch import ReferenceBackend
+from ninfer.runtime.formats import decode, encode, nbytes
+from ninfer.runtime.reference_quant import PACKED, unpack
+from ninfer.runtime.weights import PackedWeight, random_packed
+
+SHAPES = [(1, 8), (77, 200), (128, 128), (130, 328), (300, 72)]
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_unpack_equals_the_codec(fmt, n, k):
+    x = np.random.default_rng(n * 1000 + k).standard_normal((n, k)).astype(np.float32)
+    b = encode(fmt, x)
+    assert np.array_equal(unpack(fmt, torch.from_numpy(b), n, k).numpy(), decode(fmt, b, (n, k)))
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_linear_op_is_decode_then_matmul(fmt):
+    be = ReferenceBackend()
+    w = np.random.default_rng(1).standard_normal((130, 200)).astype(np.float32) * 0.05
+    x = torch.randn(5, 200, dtype=torch.float64)
+    y = torch.empty(5, 130, dtype=torch.float32)
+    be.run(f"linear_{fmt}", x=x.float(), w=torch.from_numpy(encode(fmt, w)), y=y)
+    want = x @ torch.from_numpy(decode(fmt, encode(fmt, w), w.shape)).double().T
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_op_refuses_a_wrong_byte_count():
+    be = ReferenceBackend()
+    w = torch.from_numpy(encode("q4", np.ones((130, 200), np.float32)))
+    with pytest.raises(ValueError, match="requires WB =="):
+        be.run("linear_q4", x=torch.randn(2, 200), w=w[:-256], y=torch.empty(2, 130))
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+@pytest.mark.parametrize("n,k", [(256, 256), (130, 200)])
+def test_random_packed_is_a_valid_layout(fmt, n, k):
+    g = torch.Generator().manual_seed(0)
+    pw = random_packed(fmt, (n, k), "cpu", g, std=0.02)
+    assert pw.nbytes == nbytes(fmt, (n, k))
+    kp = -(-k // 128) * 128      # the same bytes read as [n, kp] expose the pad lanes
+    full = torch.from_numpy(decode(fmt, pw.data.numpy(), (n, kp)))
+    assert torch.isfinite(full).all() and (full[:, k:] == 0).all()   # pad lanes decode to 0
+    std = full[:, :k].std().item()
+    assert 0.01 < std < 0.04, std
+
+
+def test_packed_weight_checks_its_bytes():
+    with pytest.raises(ValueError, match="expected"):
+        PackedWeight(torch.zeros(10, dtype=torch.uint8), "q4", (128, 128))
+    with pytest.raises(ValueError, match="no kernels read"):
+        PackedWeight(torch.zeros(10, dtype=torch.uint8), "nvfp4", (128, 128))
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_dequant_op_is_the_exact_decode(fmt):
+    w = np.random.default_rng(2).standard_normal((130, 200)).astype(np.float32)
+    y = torch.empty(130, 200)
+    ReferenceBackend().run(f"dequant_{fmt}", w=torch.from_numpy(encode(fmt, w)), y=y)
+    assert torch.equal(y, torch.from_numpy(decode(fmt, encode(fmt, w), w.shape)))
+
+
+def test_prefill_over_packed_weights_takes_the_dequant_path():
+    """From DEQUANT_MIN_T tokens a packed linear decodes the matrix and runs the dense op: same result."""
+    from ninfer.runtime.models import blocks
+    calls = []
+
+    class Spy(ReferenceBackend):
+        def run(self, op, **args):
+            calls.append(op)
+            super().run(op, **args)
+
+    g = torch.Generator().manual_seed(0)
+    pw = random_packed("q4", (136, 200), "cpu", g, 0.05)
+    x = torch.randn(blocks.DEQUANT_MIN_T, 200)
+    y = blocks.linear(Spy(), x, pw)
+    assert calls == ["dequant_q4", "linear"]
+    small = blocks.linear(Spy(), x[:7], pw)
+    assert calls[2:] == ["linear_q4"]
+    assert torch.allclose(y[:7], small, rtol=1e-5, atol=1e-5)
