@@ -25,7 +25,13 @@ CASES = [
     ("silu_and_mul", {"I": 17408}, [1, 4096]),
     ("sigmoid_mul", {"N": 6144}, [1, 4096]),
     ("embedding", {"V": 248320, "H": 5120}, [1, 4096]),
+    ("linear_q4", {"N": 17408, "K": 5120}, [1, 2, 4, 8, 9, 64, 512, 4096]),
+    ("linear_q4", {"N": 5120, "K": 17408}, [1, 8, 4096]),
+    ("linear_q4", {"N": 248320, "K": 5120}, [1]),
+    *((f"linear_{f}", {"N": 17408, "K": 5120}, [1, 4096]) for f in ("q5", "q6", "w8", "fp8")),
+    ("gdn_delta_rule", {"HV": 48, "DK": 128, "DV": 128}, [1, 8, 31, 32, 1024]),   # one sequence of T tokens
 ]
+GDN_K_HEADS = 16
 L2_BYTES = 60 << 20
 
 
@@ -77,8 +83,16 @@ def _bytes(op, tensors, dims) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _make(torch, contract, dtype, dims, rng):
+def _make(torch, contract, dtype, dims, rng, op=""):
     from ninfer.runtime.contracts import TORCH_DTYPES
+    from ninfer.runtime.formats import nbytes
+    from ninfer.runtime.weights import random_packed
+
+    if op == "gdn_delta_rule":
+        return _make_gdn(torch, dims, rng)
+    packed = op.split("_", 1)[1] if op.startswith("linear_") else None
+    if packed:
+        dims["WB"] = nbytes(packed, (dims["N"], dims["K"]))
 
     def shape(spec):
         out = []
@@ -93,11 +107,28 @@ def _make(torch, contract, dtype, dims, rng):
     ts = {}
     for name, spec in {**contract["inputs"], **contract["outputs"]}.items():
         dt = TORCH_DTYPES[dtype if spec["dtype"] == "$dtype" else spec["dtype"]]
-        if dt == torch.int32:
+        if dt == torch.uint8:
+            ts[name] = random_packed(packed, (dims["N"], dims["K"]), "cuda", rng, dims["K"] ** -0.5).data
+        elif dt == torch.int32:
             ts[name] = torch.randint(0, dims.get("V", 1), shape(spec), device="cuda", dtype=dt, generator=rng)
         else:
             ts[name] = torch.randn(shape(spec), device="cuda", dtype=torch.float32, generator=rng).to(dt)
     return ts
+
+
+def _make_gdn(torch, dims, rng):
+    """One sequence of T tokens through the delta rule (prefill when T is large), real-looking gates."""
+    T, hv, dk, dv = dims["T"], dims["HV"], dims["DK"], dims["DV"]
+    dev = "cuda"
+    return {"qkv": torch.randn(T, 2 * GDN_K_HEADS * dk + hv * dv, device=dev, generator=rng).bfloat16(),
+            "g": -torch.rand(T, hv, device=dev, generator=rng) * 2, "beta": torch.rand(T, hv, device=dev, generator=rng),
+            "query_start": torch.tensor([0, T], dtype=torch.int32, device=dev),
+            "slots": torch.zeros(1, dtype=torch.int32, device=dev),
+            "state": torch.randn(2, hv, dk, dv, device=dev, generator=rng) * 0.1,
+            "o": torch.empty(T, hv, dv, device=dev, dtype=torch.bfloat16)}
+
+
+OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}}
 
 
 def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
@@ -126,17 +157,17 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
             sets = None
             for inst in instances:
                 if sets is None:
-                    base = _make(torch, contract, "bf16", dims, rng)
+                    base = _make(torch, contract, "bf16", dims, rng, op)
                     nbytes = _bytes(op, base, dims)
                     footprint = sum(t.numel() * t.element_size() for t in base.values())
                     copies = max(1, min(8, -(-3 * L2_BYTES // footprint)))
                     sets = [base] + [{k: v.clone() for k, v in base.items()} for _ in range(copies - 1)]
                 try:
-                    plans = [be.plan(op, route=inst, **s) for s in sets]
+                    plans = [be.plan(op, route=inst, **s, **OP_PARAMS.get(op, {})) for s in sets]
                 except RouteError:
                     continue  # this route's constraints exclude the problem (e.g. T above its tmax)
                 secs = _time_graph(torch, plans, reps)
-                flops = 2 * T * problem["N"] * problem["K"] if op == "linear" else 0
+                flops = 2 * T * problem["N"] * problem["K"] if op.startswith("linear") else 0
                 gbs = nbytes / secs / 1e9
                 row = {"op": op, "problem": problem, "T": T, "route": inst, "selected": inst == chosen,
                        "us": secs * 1e6, "GB/s": gbs, "bw_frac": gbs / copy_gbs,
@@ -173,10 +204,10 @@ def ops_cmd(ops, reps, json_out) -> None:
     bench_ops(ops, reps, json_out)
 
 
-def _model_figures(cfg, n_prompt_tokens: int) -> dict:
+def _model_figures(cfg, n_prompt_tokens: int, fmt: str = "bf16") -> dict:
     """FLOPs per prompt token (weights + causal attention at this length) and decode bytes per step."""
-    from ninfer.runtime.synthetic import weight_shapes
-    shapes = weight_shapes(cfg)
+    from ninfer.runtime.synthetic import weight_bytes, weight_shapes
+    shapes, nbytes = weight_shapes(cfg), weight_bytes(cfg, fmt)
     matmul_params = sum(math.prod(s) for n, s in shapes.items() if len(s) >= 2 and n != "embed"
                         and ".experts." not in n)
     expert_params = sum(math.prod(s) for n, s in shapes.items() if ".experts." in n)
@@ -184,15 +215,40 @@ def _model_figures(cfg, n_prompt_tokens: int) -> dict:
     attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
     attn_flops = attn_layers * 2 * cfg.heads * cfg.head_dim * n_prompt_tokens  # QK^T + PV, causal half, per token
     return {"flops_per_token": 2 * (matmul_params + active_experts) + attn_flops,
-            "dense_bytes": 2 * matmul_params,
+            "dense_bytes": sum(b for n, b in nbytes.items() if len(shapes[n]) >= 2 and n != "embed"
+                               and ".experts." not in n),
             # one expert's weights in one layer: a decode step reads min(E, C*K) of them per MoE layer
-            "expert_bytes_per_choice": 2 * expert_params // max(cfg.experts * sum(cfg.moe_layers), 1),
+            "expert_bytes_per_choice": sum(b for n, b in nbytes.items() if ".experts." in n)
+                                       // max(cfg.experts * sum(cfg.moe_layers), 1),
             "kv_bytes_per_token": 2 * attn_layers * cfg.kv_heads * cfg.head_dim * 2,
             "gdn_state_bytes": (cfg.layers - attn_layers) * cfg.v_heads * cfg.k_dim * cfg.v_dim * 4}
 
 
+def _profile_table(torch, events: list, title: str, copy_gbs: float, gemm_tflops: float) -> None:
+    """Per (op, route) GPU time of one eager step, and for the linear ops the fraction of their ceiling:
+    FLOPs / GEMM peak when T is large, weight bytes / copy bandwidth when T is small."""
+    torch.cuda.synchronize()
+    agg: dict = {}
+    for op, inst, dims, start, end in events:
+        a = agg.setdefault((op, inst), [0, 0.0, 0, 0])       # calls, ms, flops, weight bytes
+        a[0] += 1
+        a[1] += start.elapsed_time(end)
+        if op.startswith("linear"):
+            a[2] += 2 * dims["T"] * dims["N"] * dims["K"]
+            a[3] += dims.get("WB", 2 * dims["N"] * dims["K"])
+    total = sum(a[1] for a in agg.values())
+    click.echo(f"{title}: {total:.2f} ms of kernels in {sum(a[0] for a in agg.values())} launches")
+    for (op, inst), (n, ms, flops, wbytes) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
+        extra = ""
+        if flops:
+            tf, gbs = flops / (ms * 1e-3) / 1e12, wbytes / (ms * 1e-3) / 1e9
+            extra = (f"{tf:6.1f} TFLOP/s = {100 * tf / gemm_tflops:5.1f} % of peak; weights {gbs:7.0f} GB/s = "
+                     f"{100 * gbs / copy_gbs:5.1f} % of copy")
+        click.echo(f"  {op:<18} {inst:<24} {n:5d} calls {ms:9.3f} ms {100 * ms / total:5.1f} %  {extra}")
+
+
 def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_prompt: int, steps: int,
-                json_out: str | None) -> None:
+                json_out: str | None, fmt: str = "bf16", profile: int = 0) -> None:
     import time
 
     import torch
@@ -202,12 +258,12 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
 
     cfg = SHAPES[shape]
     copy_gbs, gemm_tflops = measure_ceilings(torch)
-    weights = random_weights(cfg, "cuda")
+    weights = random_weights(cfg, "cuda", fmt=fmt)
     ctx = max(max(prompts), decode_prompt + steps + 8) + 16
     eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
                               max_seqs=max(concurrency))
     dev = eng.be.device
-    click.echo(f"# {shape} (bf16 synthetic weights) on {dev.name}; ceilings measured: copy {copy_gbs:,.0f} GB/s, "
+    click.echo(f"# {shape} ({fmt} synthetic weights) on {dev.name}; ceilings measured: copy {copy_gbs:,.0f} GB/s, "
                f"bf16 GEMM {gemm_tflops:,.0f} TFLOP/s; KV pages {eng.cache.num_pages} x {eng.cache.page_size}")
     rng = torch.Generator().manual_seed(0)
     rows = []
@@ -226,11 +282,27 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             secs = time.perf_counter() - t0
         finally:
             eng.release(seq)
-        fig = _model_figures(cfg, n // 2)
+        fig = _model_figures(cfg, n // 2, fmt)
         tps = n / secs
         frac = tps * fig["flops_per_token"] / (gemm_tflops * 1e12)
         rows.append({"kind": "prefill", "tokens": n, "tok_s": tps, "ttft_s": secs, "peak_frac": frac})
         click.echo(f"prefill {n:>6} tokens: {tps:>9,.0f} tok/s  TTFT {secs:6.2f} s  {100 * frac:5.1f} % of bf16 peak")
+    if profile:  # one eager prefill chunk and one eager decode step, op by op
+        seq = eng.open(ids(profile + 1), max_new=2)
+        graphs, eng.graphs = eng.graphs, None
+        try:
+            eng.be.profile = []
+            while not eng.prefill(seq):
+                if seq.prefilled + eng.prefill_chunk >= len(seq.prompt):   # keep only the last chunk (most context)
+                    eng.be.profile = []
+            _profile_table(torch, eng.be.profile, f"profile: last prefill chunk of a {profile + 1}-token prompt",
+                           copy_gbs, gemm_tflops)
+            eng.be.profile = []
+            eng.decode([seq])
+            _profile_table(torch, eng.be.profile, "profile: one eager decode step, C=1", copy_gbs, gemm_tflops)
+        finally:
+            eng.be.profile, eng.graphs = None, graphs
+            eng.release(seq)
     seqs = [eng.open(ids(decode_prompt), max_new=steps + 8) for _ in range(max(concurrency))]
     try:
         for s in seqs:
@@ -246,7 +318,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             torch.cuda.synchronize()
             n_steps = steps // len(concurrency)
             secs = (time.perf_counter() - t0) / n_steps
-            fig = _model_figures(cfg, decode_prompt)
+            fig = _model_figures(cfg, decode_prompt, fmt)
             ctx_now = len(live[0].tokens)
             chosen = min(cfg.experts, c * cfg.experts_per_token) if cfg.experts else 0
             nbytes = (fig["dense_bytes"] + chosen * fig["expert_bytes_per_choice"] * sum(cfg.moe_layers)
@@ -262,7 +334,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             eng.release(s)
     if json_out:
         with open(json_out, "w") as f:
-            json.dump({"shape": shape, "device": dev.name, "weights": "bf16", "copy_GBps": copy_gbs,
+            json.dump({"shape": shape, "device": dev.name, "weights": fmt, "copy_GBps": copy_gbs,
                        "gemm_TFLOPs": gemm_tflops, "rows": rows}, f, indent=1)
 
 
@@ -272,15 +344,19 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
 @click.option("--concurrency", default="1,2,4,8", show_default=True)
 @click.option("--decode-prompt", default=8192, show_default=True, help="context before the decode measurement")
 @click.option("--steps", default=64, show_default=True, help="decode steps, split over the concurrency levels")
+@click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8"]), default="bf16",
+              show_default=True, help="format of the quantizable matrices (random packed bytes)")
+@click.option("--profile", type=int, default=0, help="also time each op of one prefill of this many tokens and "
+              "of one decode step (eager)")
 @click.option("--json", "json_out", type=click.Path())
-def model_cmd(shape, prompts, concurrency, decode_prompt, steps, json_out) -> None:
-    """Prefill and decode tok/s of the whole model at real shapes with synthetic bf16 weights."""
+def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, json_out) -> None:
+    """Prefill and decode tok/s of the whole model at real shapes with synthetic weights."""
     from ninfer.runtime.cuda import gpu_available
     if not gpu_available():
         click.echo("ninfer-bench model: needs a CUDA GPU (none found)", err=True)
         sys.exit(2)
     bench_model(shape, [int(x) for x in prompts.split(",")], [int(x) for x in concurrency.split(",")],
-                decode_prompt, steps, json_out)
+                decode_prompt, steps, json_out, fmt, profile)
 
 
 if __name__ == "__main__":

@@ -164,7 +164,8 @@ def _engine_class():
 
 
 def memory_report(engine) -> dict:
-    weights = sum(t.numel() * t.element_size() for t in engine.weights.values())
+    from ninfer.runtime.weights import weights_nbytes
+    weights = weights_nbytes(engine.weights)
     out = {"weights_bytes": weights, "cache_bytes": engine.cache.bytes(),
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if engine.device.type == "cuda":

@@ -71,7 +71,7 @@ class SequenceCache:
 
 
 def plan_kv_pages(cfg: HybridConfig, device, dtype, max_seqs: int, max_context: int, page_size: int,
-                  prefill_chunk: int, kv_capacity: str | int = "auto") -> int:
+                  prefill_chunk: int, kv_capacity: str | int = "auto", scratch_bytes: int = 0) -> int:
     """KV pages to allocate: every lane at full context when that fits; with `auto` on a GPU, what is left
     after the weights, the GDN states and a workspace reserve. Refuses a context that cannot fit once."""
     pages_per_seq = -(-max_context // page_size)
@@ -87,7 +87,7 @@ def plan_kv_pages(cfg: HybridConfig, device, dtype, max_seqs: int, max_context: 
     free, _ = torch.cuda.mem_get_info(device)
     # activations of the largest prefill chunk (a few [chunk, widest projection] buffers) plus headroom
     widest = max(cfg.intermediate * 2, cfg.conv_channels, cfg.experts * 2 * max(cfg.expert_intermediate, 1), cfg.vocab // 8)
-    reserve = (1 << 30) + 8 * prefill_chunk * max(widest, cfg.hidden) * 2
+    reserve = (1 << 30) + 8 * prefill_chunk * max(widest, cfg.hidden) * 2 + scratch_bytes
     fit = (free - gdn_bytes - reserve) // page_bytes
     if fit < pages_per_seq:
         raise CapacityError(f"--max-context {max_context} does not fit: after the weights, GDN states and a "

@@ -19,28 +19,11 @@ from .dispatch import backend as make_backend
 from .models import MODELS
 from .models.blocks import Step
 from .models.config import HybridConfig, parse_config
-
-KEEP_FP32 = ("gdn_A_log", "gdn_dt_bias")  # contract dtype f32 whatever the run dtype
+from .weights import dequant_scratch_bytes, load_weights
 
 
 class EngineError(ValueError):
     pass
-
-
-def load_weights(art, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every text-model tensor on `device`: direct formats copied in chunks from the mapping, quantized
-    formats decoded (their exact reconstruction) and cast to the run dtype."""
-    out = {}
-    for name, entry in art.tensors.items():
-        if set(entry.flags) & {"mtp", "visual"}:
-            continue
-        want = torch.float32 if entry.role in KEEP_FP32 else dtype
-        if entry.format in ("bf16", "fp32"):
-            t = art.to_device(name, device)
-        else:
-            t = torch.from_numpy(art.decode(name)).to(device)
-        out[name] = t.to(want).contiguous()
-    return out
 
 
 def token_domain(art, vocab: int) -> int:
@@ -137,7 +120,7 @@ class Engine:
         self.device = torch.device("cuda" if be.name == "cuda" else "cpu")
         self.dtype = torch.bfloat16 if be.name == "cuda" else torch.float32
         num_pages = plan_kv_pages(cfg, self.device, self.dtype, max_seqs, max_context, page_size, prefill_chunk,
-                                  kv_capacity)
+                                  kv_capacity, dequant_scratch_bytes(weights))
         self.cache = SequenceCache(cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
                                    device=self.device, dtype=self.dtype, num_pages=num_pages)
         try:

@@ -54,10 +54,22 @@ def weight_shapes(cfg: HybridConfig) -> dict[str, tuple]:
     return shapes
 
 
-def random_weights(cfg: HybridConfig, device, dtype=torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
+# the matrices a recipe quantizes (recipes/*.yaml, kind quant); the embedding table stays bf16 (only the
+# prompt's rows are ever read)
+QUANT_SUFFIXES = ("attn.qkv", "attn.o", "gdn.in_qkv", "gdn.in_z", "gdn.out", "mlp.gate_up", "mlp.down",
+                  "experts.gate_up", "experts.down", "lm_head")
+
+
+def random_weights(cfg: HybridConfig, device, dtype=torch.bfloat16, seed: int = 0, fmt: str = "bf16") -> dict:
+    """Random weights at the model's shapes; with a packed `fmt` (q4, ...) the quantizable matrices are random
+    packed bytes of that format (runtime.weights.PackedWeight)."""
+    from .weights import random_packed
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, shape in weight_shapes(cfg).items():
+        if fmt != "bf16" and name.endswith(QUANT_SUFFIXES):
+            out[name] = random_packed(fmt, shape, device, g, 1.0 / shape[-1] ** 0.5)
+            continue
         if name.endswith(("A_log", "dt_bias")):
             out[name] = torch.rand(shape, generator=g, device=device, dtype=torch.float32) - 0.5
             continue
@@ -67,6 +79,8 @@ def random_weights(cfg: HybridConfig, device, dtype=torch.bfloat16, seed: int = 
     return out
 
 
-def weight_bytes(cfg: HybridConfig, dtype=torch.bfloat16) -> int:
-    size = torch.finfo(dtype).bits // 8
-    return sum(size * math.prod(s) for s in weight_shapes(cfg).values())
+def weight_bytes(cfg: HybridConfig, fmt: str = "bf16") -> dict[str, int]:
+    """Bytes of every weight as random_weights(fmt) stores it."""
+    from .formats import get_format
+    return {name: get_format(fmt).nbytes(shape) if fmt != "bf16" and name.endswith(QUANT_SUFFIXES)
+            else 2 * math.prod(shape) for name, shape in weight_shapes(cfg).items()}

@@ -5,17 +5,18 @@ Used by the CPU tests (reference backend) and the GPU tests (every route of ever
 import torch
 
 from ninfer.runtime.contracts import TORCH_DTYPES
-from ninfer.runtime.reference import REFERENCES
+from ninfer.runtime.reference_quant import ALL_REFERENCES as REFERENCES
 
 # Problems per op: a small odd-sized one and a real 27B-shaped one.
 PROBLEMS = {
     "rms_norm": [{"H": 128}, {"H": 5120}],
     "rms_norm_zc": [{"H": 256}, {"H": 5120}],
+    "add_rms_norm_zc": [{"H": 264}, {"H": 5120}],
     "add": [{"H": 264}, {"H": 5120}],
     "silu_and_mul": [{"I": 136}, {"I": 17408}],
     "sigmoid_mul": [{"N": 200}, {"N": 6144}],
     "embedding": [{"V": 1000, "H": 64}, {"V": 248320, "H": 5120}],
-    "linear": [{"N": 136, "K": 200}, {"N": 1024, "K": 5120}, {"N": 77, "K": 200}, {"N": 1, "K": 512}],
+    "linear": [{"N": 136, "K": 200}, {"N": 1024, "K": 5120}, {"N": 77, "K": 200}, {"N": 1, "K": 512}, {"N": 96, "K": 5120}],
 }
 
 

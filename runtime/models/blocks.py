@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..reference_quant import moe_op
+from ..weights import PackedWeight
 from .config import HybridConfig
 
 
@@ -28,7 +30,26 @@ def new(like: torch.Tensor, *shape, dtype=None) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype or like.dtype, device=like.device)
 
 
+# Prefill over a packed weight: from this many tokens on, decoding the matrix once into a scratch (one
+# memory-bound pass) and running the dense GEMM (wgmma on Hopper, ~600 TFLOP/s) beats the fused-dequant
+# mma.sync route (~200 TFLOP/s); matrices above the byte cap (the lm_head when every row's logits are wanted)
+# stay on the fused route rather than take a multi-GB scratch. Measured: PERF_NOTES.md (2026-12-01).
+DEQUANT_MIN_T = 256
+DEQUANT_MAX_BYTES = 512 << 20
+
+
 def linear(be, x, w):
+    """y = x·wᵀ; a packed weight goes to its format's op (linear_q4, ...), which dequantizes on the fly."""
+    if isinstance(w, PackedWeight):
+        n, k = w.matrix
+        y = new(x, x.shape[0], n)
+        if x.shape[0] >= DEQUANT_MIN_T and 2 * n * k <= DEQUANT_MAX_BYTES:
+            dense = new(x, n, k)   # the caching allocator hands the same block back call after call
+            be.run(f"dequant_{w.fmt}", w=w.data, y=dense)
+            be.run("linear", x=x, w=dense, y=y)
+        else:
+            be.run(f"linear_{w.fmt}", x=x, w=w.data, y=y)
+        return y
     y = new(x, x.shape[0], w.shape[0])
     be.run("linear", x=x, w=w, y=y)
     return y
@@ -37,6 +58,13 @@ def linear(be, x, w):
 def rms_norm_zc(be, x, w, eps):
     y = torch.empty_like(x)
     be.run("rms_norm_zc", x=x, w=w, y=y, eps=eps)
+    return y
+
+
+def add_rms_norm_zc(be, h, b, w, eps):
+    """h += b in place; returns rms_norm_zc(h) (one fused op)."""
+    y = torch.empty_like(h)
+    be.run("add_rms_norm_zc", a=h, b=b, w=w, s=h, y=y, eps=eps)
     return y
 
 
@@ -76,7 +104,9 @@ class GatedDeltaNet:
     def __init__(self, cfg: HybridConfig, w: dict, layer: int, conv_state, state):
         p = f"layers.{layer}.gdn."
         self.cfg = cfg
-        self.in_qkv, self.in_z, self.in_b, self.in_a = w[p + "in_qkv"], w[p + "in_z"], w[p + "in_b"], w[p + "in_a"]
+        self.in_qkv, self.in_z = w[p + "in_qkv"], w[p + "in_z"]
+        # b and a as one small projection (float roles: recipes never pack them) instead of two launches
+        self.in_ba = torch.cat([w[p + "in_b"], w[p + "in_a"]], 0)
         self.conv, self.A_log, self.dt_bias = w[p + "conv"], w[p + "A_log"], w[p + "dt_bias"]
         self.norm, self.out = w[p + "norm"], w[p + "out"]
         self.conv_state, self.state = conv_state, state
@@ -85,12 +115,12 @@ class GatedDeltaNet:
         c = self.cfg
         T = x.shape[0]
         mixed = linear(be, x, self.in_qkv)
-        z, b, a = linear(be, x, self.in_z), linear(be, x, self.in_b), linear(be, x, self.in_a)
+        z, ba = linear(be, x, self.in_z), linear(be, x, self.in_ba)
         qkv = torch.empty_like(mixed)
         be.run("gdn_conv", x=mixed, w=self.conv, query_start=step.query_start, slots=step.state_slots,
                conv_state=self.conv_state, y=qkv)
         g, beta = new(x, T, c.v_heads, dtype=torch.float32), new(x, T, c.v_heads, dtype=torch.float32)
-        be.run("gdn_gates", a=a, b=b, A_log=self.A_log, dt_bias=self.dt_bias, g=g, beta=beta)
+        be.run("gdn_gates", ba=ba, A_log=self.A_log, dt_bias=self.dt_bias, g=g, beta=beta)
         o = new(x, T, c.v_heads, c.v_dim)
         be.run("gdn_delta_rule", qkv=qkv, g=g, beta=beta, query_start=step.query_start, slots=step.state_slots,
                state=self.state, o=o, num_k_heads=c.k_heads, scale=c.k_dim ** -0.5)
@@ -122,16 +152,23 @@ class SparseMoE:
         self.router, self.gate_up, self.down = w[p + "router"], w[p + "experts.gate_up"], w[p + "experts.down"]
         self.shared = DenseMLP(w, p + "shared.")
         self.shared_gate = w[p + "shared.gate"]
+        if isinstance(self.gate_up, PackedWeight) != isinstance(self.down, PackedWeight):
+            raise ValueError(f"{p}experts: gate_up and down must both be packed or both float formats")
 
     def __call__(self, be, x):
         c = self.cfg
         T = x.shape[0]
-        logits = linear(be, x, self.router)
+        logits = new(x, T, self.router.shape[0], dtype=torch.float32)  # fp32: bf16 logits flip near-tie top-k
+        be.run("moe_router", x=x, w=self.router, logits=logits)
         weights = new(x, T, c.experts_per_token, dtype=torch.float32)
         ids = new(x, T, c.experts_per_token, dtype=torch.int32)
         be.run("moe_topk", logits=logits, weights=weights, ids=ids, renormalize=int(c.renormalize_topk))
         y = torch.empty_like(x)
-        be.run("moe_experts", x=x, gate_up=self.gate_up, down=self.down, weights=weights, ids=ids, y=y)
+        if isinstance(self.gate_up, PackedWeight):
+            be.run(moe_op(self.gate_up.fmt, self.down.fmt), x=x, gate_up=self.gate_up.data, down=self.down.data,
+                   weights=weights, ids=ids, y=y, E=c.experts, I=c.expert_intermediate)
+        else:
+            be.run("moe_experts", x=x, gate_up=self.gate_up, down=self.down, weights=weights, ids=ids, y=y)
         shared = self.shared(be, x)
         g = linear(be, x, self.shared_gate)
         be.run("sigmoid_gate_add", a=y, b=shared, g=g, y=y)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import GatedAttention, GatedDeltaNet, Step, add_, linear, new, rms_norm_zc
+from .blocks import GatedAttention, GatedDeltaNet, Step, add_, add_rms_norm_zc, linear, new, rms_norm_zc
 from .config import HybridConfig
 
 
@@ -15,7 +15,8 @@ class HybridForCausalLM:
     def __init__(self, cfg: HybridConfig, weights: dict, cache):
         self.cfg = cfg
         self.embed, self.norm = weights["embed"], weights["norm"]
-        self.lm_head = weights["embed"] if cfg.tied_embeddings else weights["lm_head"]
+        # tied: the lm_head reads the table in its stored format (packed, when it is)
+        self.lm_head = weights.get("embed.packed", weights["embed"]) if cfg.tied_embeddings else weights["lm_head"]
         self.layers = []
         for i in range(cfg.layers):
             if cfg.is_attention(i):
@@ -35,9 +36,15 @@ class HybridForCausalLM:
         eps = self.cfg.eps
         h = new(self.embed, ids.shape[0], self.cfg.hidden)
         be.run("embedding", ids=ids, table=self.embed, y=h)
-        for input_norm, mixer, post_norm, mlp in self.layers:
-            add_(be, h, mixer(be, rms_norm_zc(be, h, input_norm, eps), step))
-            add_(be, h, mlp(be, rms_norm_zc(be, h, post_norm, eps)))
+        x = rms_norm_zc(be, h, self.layers[0][0], eps)
+        for i, (_, mixer, post_norm, mlp) in enumerate(self.layers):
+            # pre-norm residual: h += mixer(norm(h)); h += mlp(norm(h)); each add fused with the norm after it
+            x = add_rms_norm_zc(be, h, mixer(be, x, step), post_norm, eps)
+            out = mlp(be, x)
+            if i + 1 < len(self.layers):
+                x = add_rms_norm_zc(be, h, out, self.layers[i + 1][0], eps)
+            else:
+                add_(be, h, out)
             if hidden_out is not None:
                 hidden_out.append(h.clone())
         last = h.index_select(0, logits_rows)

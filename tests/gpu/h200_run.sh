@@ -4,6 +4,7 @@
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
 #   STAGES="tests bench-ops bench-27b bench-35b serve-load" (default: tests bench-27b bench-35b)
+#   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), BENCH_OPS="linear_q4 ..." (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
 ROOT=$(pwd)
@@ -16,7 +17,7 @@ STAGES=${STAGES:-tests bench-27b bench-35b}
 $PY -m ninfer.codegen 2>&1 | tee "$OUT/generate.log"
 $PY -m ninfer.runtime.build --archs sm_90a 2>&1 | tail -2 | tee "$OUT/build.log"
 run_tests() {  # each file in its own process: a faulting kernel must not hide the other results
-  for f in tests/gpu/test_*_gpu.py; do
+  for f in ${TESTS:-tests/gpu/test_*_gpu.py}; do
     name=$(basename "$f" .py)
     timeout 420 $PY -m pytest -q -m gpu "$f" -p no:cacheprovider --maxfail=30 --timeout=300 --timeout-method=thread \
       > "$OUT/$name.log" 2>&1
@@ -26,7 +27,7 @@ run_tests() {  # each file in its own process: a faulting kernel must not hide t
 for stage in $STAGES; do
   case $stage in
     tests) run_tests ;;
-    bench-ops) timeout 600 $PY -m ninfer.cli.bench ops --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
+    bench-ops) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench ops $(for o in ${BENCH_OPS:-}; do echo --op $o; done) --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
     bench-27b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b ${BENCH27:-} --json "$OUT/bench-27b.json" 2>&1 | tee "$OUT/bench-27b.log" ;;
     serve-load) timeout 300 $PY tests/gpu/serve_load.py .carry/demo/demo.ninfer --clients 8 --max-tokens 256 2>&1 | tee "$OUT/serve-load.log" | tail -16 ;;
     bench-35b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b ${BENCH35:-} --json "$OUT/bench-35b.json" 2>&1 | tee "$OUT/bench-35b.log" ;;

@@ -105,7 +105,7 @@ def conv_inputs(shape, runs, seed):
 
 def gates_inputs(hv, T, seed):
     g = gen(seed)
-    return {"a": randn(g, T, hv), "b": randn(g, T, hv),
+    return {"ba": randn(g, T, 2 * hv),
             "A_log": randn(g, hv, dtype=torch.float32), "dt_bias": randn(g, hv, dtype=torch.float32),
             "g": nan_like((T, hv), torch.float32), "beta": nan_like((T, hv), torch.float32)}
 
@@ -181,7 +181,7 @@ def test_gdn_gates(be, hv, T):
 def test_gdn_gates_softplus_threshold(be):
     """Large a + dt_bias takes softplus's linear branch (torch threshold 20), small ones its log1p(exp) branch."""
     ts = gates_inputs(8, 64, seed=3)
-    ts["a"] = (torch.linspace(-40, 40, 64 * 8, device="cuda").reshape(64, 8)).bfloat16()
+    ts["ba"][:, 8:] = (torch.linspace(-40, 40, 64 * 8, device="cuda").reshape(64, 8)).bfloat16()   # a
     check_against_reference(be, "gdn_gates", ts, what="threshold sweep")
 
 
@@ -324,14 +324,14 @@ def test_gdn_chain_cuda_graph(be):
     runs = [1, 1, 1]
     qs, slots, NS = sequences(runs, g)
     T = len(runs)
-    x, a, b, z = randn(g, T, C), randn(g, T, hv), randn(g, T, hv), randn(g, T, hv, dv)
+    x, ba, z = randn(g, T, C), randn(g, T, 2 * hv), randn(g, T, hv, dv)
     conv_w, norm_w = randn(g, C, KW, scale=0.5), randn(g, dv, scale=0.5) + 1
     A_log, dt_bias = randn(g, hv, dtype=torch.float32), randn(g, hv, dtype=torch.float32)
     conv_state, state = randn(g, NS, C, KW - 1), randn(g, NS, hv, dk, dv, scale=0.5, dtype=torch.float32)
     qkv, o, y = nan_like((T, C)), nan_like((T, hv, dv)), nan_like((T, hv, dv))
     gl, beta = nan_like((T, hv), torch.float32), nan_like((T, hv), torch.float32)
     plans = [be.plan("gdn_conv", x=x, w=conv_w, query_start=qs, slots=slots, conv_state=conv_state, y=qkv),
-             be.plan("gdn_gates", a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=gl, beta=beta),
+             be.plan("gdn_gates", ba=ba, A_log=A_log, dt_bias=dt_bias, g=gl, beta=beta),
              be.plan("gdn_delta_rule", qkv=qkv, g=gl, beta=beta, query_start=qs, slots=slots, state=state, o=o,
                      num_k_heads=hk, scale=dk ** -0.5),
              be.plan("gdn_gated_norm", o=o, z=z, w=norm_w, y=y)]

@@ -1,0 +1,111 @@
+"""Model weights in memory: direct formats as tensors of the run dtype, linear weights in a packed format
+(q4/q5/q6/w8/fp8, specs/formats.md §3) kept packed as `PackedWeight`, which the model's linear and expert
+calls hand to the packed ops (linear_<fmt>, moe_experts_<fmt>) that dequantize on the fly."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .format_base import as_matrix_shape
+from .formats import get_format
+from .reference_quant import PACKED
+
+KEEP_FP32 = ("gdn_A_log", "gdn_dt_bias")  # contract dtype f32 whatever the run dtype
+DECODED_ROLES = ("embed",)                # read by the embedding op, which takes a float table
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight of logical `shape` ([..., K], viewed as the matrix [N, K]) stored as its packed bytes."""
+    data: torch.Tensor      # uint8 [nbytes(fmt, shape)]
+    fmt: str
+    shape: tuple
+
+    def __post_init__(self):
+        if self.fmt not in PACKED:
+            raise ValueError(f"no kernels read format {self.fmt!r} packed (packed formats: {', '.join(PACKED)})")
+        if self.data.dtype != torch.uint8 or self.data.numel() != get_format(self.fmt).nbytes(self.shape):
+            raise ValueError(f"{self.fmt} {list(self.shape)}: expected {get_format(self.fmt).nbytes(self.shape)} "
+                             f"uint8 bytes, got {self.data.numel()} {self.data.dtype}")
+
+    @property
+    def matrix(self) -> tuple[int, int]:
+        return as_matrix_shape(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def load_weights(art, device, dtype: torch.dtype) -> dict:
+    """Every text-model tensor on `device`, copied in chunks from the mapping: direct formats cast to the
+    run dtype, packed linear weights kept packed, other packed tensors (the embedding table, and formats
+    no kernel reads packed) decoded exactly and cast. A tied lm_head reads the packed table too."""
+    out = {}
+    for name, entry in art.tensors.items():
+        if set(entry.flags) & {"mtp", "visual"}:
+            continue
+        want = torch.float32 if entry.role in KEEP_FP32 else dtype
+        if entry.format in ("bf16", "fp32"):
+            out[name] = art.to_device(name, device).to(want).contiguous()
+            continue
+        if entry.format in PACKED:
+            packed = PackedWeight(art.to_device(name, device), entry.format, tuple(entry.shape))
+            if entry.role not in DECODED_ROLES:
+                out[name] = packed
+                continue
+            out[name + ".packed"] = packed
+        out[name] = torch.from_numpy(art.decode(name)).to(device).to(want).contiguous()
+    return out
+
+
+def random_packed(fmt: str, shape, device, generator: torch.Generator, std: float) -> PackedWeight:
+    """Random bytes in a valid packed layout, made on the device (encoding real-shape random floats on
+    the host would take minutes): uniform codes, scales so that code·scale has about `std` deviation,
+    pad lanes zero-coded as the encoder writes them."""
+    f = get_format(fmt)
+    n, k = as_matrix_shape(shape)
+    data = torch.randint(0, 256, (f.nbytes(shape),), dtype=torch.uint8, device=device, generator=generator)
+    if fmt == "w8":
+        data[data == 0x80] = 0x81                                  # -128 is not a legal w8 code
+    if fmt == "fp8":
+        data[(data & 0x7F) == 0x7F] = 0x00                         # E4M3 NaN patterns are never written
+    kp = -(-k // 128) * 128
+    full, pos = n // 128 * 128, 0
+    for start, stop in ((0, full), (full, n)):
+        if stop == start:
+            continue
+        r = min(128, stop - start)
+        nt = (stop - start) // r
+        offsets, size = f.tile_layout(r, kp)
+        tiles = data[pos:pos + nt * size].view(nt, size)
+        pos += nt * size
+        sizes = f.plane_sizes(r, kp)
+        if kp != k:                                                 # pad lanes: code 0
+            codes = tiles[:, offsets[0]:offsets[0] + sizes[0]].view(nt, r, -1)
+            per_lane = codes.shape[-1] / kp
+            codes[:, :, math.ceil(k * per_lane):] = 0
+            if fmt in ("q5", "q6"):
+                high = tiles[:, offsets[1]:offsets[1] + sizes[1]].view(nt, r, -1)
+                high[:, :, math.ceil(k * high.shape[-1] / kp):] = 0
+        so, ss = offsets[-1], sizes[-1]
+        if fmt == "fp8":      # E4M3 codes are ~uniform in magnitude up to 448: scale to std
+            s = torch.full((nt, ss // 4), std / 100.0, dtype=torch.float32, device=device)
+        else:                 # uniform integer codes in [-qmax, qmax] have deviation ~qmax / sqrt(3)
+            s = torch.full((nt, ss // 2), std * math.sqrt(3) / f.qmax, dtype=torch.float16, device=device)
+        tiles[:, so:so + ss] = s.view(torch.uint8).view(nt, ss)
+    return PackedWeight(data, fmt, tuple(shape))
+
+
+def weights_nbytes(weights: dict) -> int:
+    """Device bytes the loaded weights hold (packed ones at their packed size)."""
+    return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in weights.values())
+
+
+def dequant_scratch_bytes(weights: dict) -> int:
+    """The largest bf16 scratch a prefill may decode a packed matrix into (models/blocks.py linear)."""
+    from .models.blocks import DEQUANT_MAX_BYTES
+    sizes = [2 * w.matrix[0] * w.matrix[1] for w in weights.values() if isinstance(w, PackedWeight)]
+    return max([s for s in sizes if s <= DEQUANT_MAX_BYTES], default=0)
