@@ -31,6 +31,7 @@ for stage in $STAGES; do
     bench-27b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b ${BENCH27:-} --json "$OUT/bench-27b.json" 2>&1 | tee "$OUT/bench-27b.log" ;;
     bench-27b-bf16) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b --weights bf16 ${BENCH27_BF16:-} --json "$OUT/bench-27b-bf16.json" 2>&1 | tee "$OUT/bench-27b-bf16.log" ;;
     serve-load) timeout 300 $PY tests/gpu/serve_load.py .carry/demo/demo.ninfer --clients 8 --max-tokens 256 2>&1 | tee "$OUT/serve-load.log" | tail -16 ;;
+    bench-35b-bf16) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b --weights bf16 ${BENCH35_BF16:-} --json "$OUT/bench-35b-bf16.json" 2>&1 | tee "$OUT/bench-35b-bf16.log" ;;
     bench-35b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b ${BENCH35:-} --json "$OUT/bench-35b.json" 2>&1 | tee "$OUT/bench-35b.log" ;;
   esac
 done

@@ -161,21 +161,23 @@ PACKED = [("dense", "mix"), ("dense", "w8"), ("dense", "fp8"), ("moe", "mix"), (
 @pytest.mark.parametrize("kind,fmt", PACKED)
 def test_packed_weights_match_the_reference_backend(kind, fmt):
     """Linear and expert weights kept packed (q4/q5/q6/w8/fp8 kernels) against the reference backend on the
-    same artifact (exact decode, fp32 math): logits within model_bf16 at every position, greedy tokens
-    identical wherever the reference's top-1 margin exceeds twice the tolerance."""
+    same artifact (exact decode, fp32 math): logits within model_bf16 at every position (MoE kinds with the
+    reference's routing replayed, as in the oracle test), greedy tokens identical wherever the reference's
+    top-1 margin exceeds twice the tolerance."""
     from ninfer.runtime.engine import Engine
     from ninfer.runtime.weights import PackedWeight
     path = ORACLE / f"{kind}.{fmt}.ninfer"
     if not path.is_file():
         pytest.skip(f"no packed artifact at {path} (python tests/gpu/make_oracle.py {ORACLE})")
     eng = Engine(path, backend="cuda", max_context=128, max_seqs=8, prefill_chunk=16)
-    ref = Engine(path, backend="reference", max_context=128)
+    ref = Engine(path, backend="reference", max_context=128, prefill_chunk=16)   # same chunks: routing replays 1:1
     assert any(isinstance(w, PackedWeight) for w in eng.weights.values())
     preset = eng.be.manifest.tolerances["model_bf16"]
     for case in cases(kind)[:3]:
         ids = case["prompt"] + case["greedy"]
-        want = ref.score(ids)
-        v = compare(eng.score(ids).float().cpu(), want, preset, f"{kind}.{fmt} n={len(case['prompt'])}")
+        want, log = routed(ref, ids)
+        got, _ = routed(eng, ids, replay=log if kind != "dense" else None)   # MoE: the reference's routing, see Routing
+        v = compare(got.float().cpu(), want, preset, f"{kind}.{fmt} n={len(case['prompt'])}")
         assert v, v.detail
         n = len(case["prompt"])
         greedy = ref.generate([case["prompt"]], max_new=16)[0].generated

@@ -357,7 +357,7 @@ def test_gdn_chain_cuda_graph(be):
     with torch.cuda.graph(graph):
         step()
     for trial in range(3):
-        for t in (x, a, b, z):
+        for t in (x, ba, z):
             t.copy_(randn(g, *t.shape))
         conv_state.copy_(cs0)
         state.copy_(st0)
