@@ -247,6 +247,30 @@ def _profile_table(torch, events: list, title: str, copy_gbs: float, gemm_tflops
         click.echo(f"  {op:<18} {inst:<24} {n:5d} calls {ms:9.3f} ms {100 * ms / total:5.1f} %  {extra}")
 
 
+def _graph_profile(torch, eng, live, step_secs: float, steps: int = 8) -> None:
+    """Kernel time per op inside the decode graph replays (CUPTI via torch.profiler), against the step's wall
+    time: what is left is launch gaps between the graph's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    names = {k.symbol: (k.op, k.instance) for k in eng.be.manifest.kernels.values() if k.arch == eng.be.device.arch}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.decode(live)
+        torch.cuda.synchronize()
+    agg: dict = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        key = names.get(e.key, (e.key[:40], ""))
+        a = agg.setdefault(key, [0, 0.0])
+        a[0] += e.count / steps
+        a[1] += us / steps
+    kernels = sum(a[1] for a in agg.values())
+    launches = sum(a[0] for a in agg.values())
+    click.echo(f"graph profile, C={len(live)}: {kernels / 1e3:.2f} ms of kernels per {step_secs * 1e3:.2f} ms step, "
+               f"{launches:.0f} launches ({(step_secs * 1e6 - kernels) / max(launches, 1):.2f} us of gap per launch)")
+    for (op, inst), (n, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:24]:
+        click.echo(f"  {op:<22} {inst:<26} {n:6.0f} / step {us:9.1f} us {100 * us / kernels:5.1f} %  {us / max(n, 1):7.2f} us each")
+
+
 def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_prompt: int, steps: int,
                 json_out: str | None, fmt: str = "bf16", profile: int = 0) -> None:
     import time
@@ -329,6 +353,8 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
                          "step_ms": secs * 1e3, "bytes_per_step": nbytes, "bw_frac": frac})
             click.echo(f"decode C={c}: {tps:>8,.1f} tok/s aggregate ({secs * 1e3:6.2f} ms/step, context {ctx_now}) "
                        f"{100 * frac:5.1f} % of the bandwidth roofline ({nbytes / 1e9:.1f} GB/step)")
+            if profile and c == concurrency[0]:
+                _graph_profile(torch, eng, live, secs)
     finally:
         for s in seqs:
             eng.release(s)
