@@ -8,7 +8,6 @@ Skips cleanly without a GPU (the conftest skips the `gpu` marker)."""
 import pytest
 import torch
 
-from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError
 from ninfer.runtime.tolerance import compare
 from tests.ops_cases import boundary_ts
@@ -20,17 +19,6 @@ REAL_27B = (24, 4, 256, 16)
 REAL_35B = (16, 2, 256, 16)
 TINY = (4, 2, 64, 16)
 ATTN_PROBLEMS = [REAL_27B, REAL_35B, TINY, (12, 3, 128, 8), (6, 1, 64, 32), (16, 2, 64, 64), (8, 8, 256, 16)]
-
-
-@pytest.fixture(scope="module")
-def be():
-    from ninfer.runtime.dispatch import CudaBackend
-    return CudaBackend()
-
-
-@pytest.fixture(scope="module")
-def ref(be):
-    return ReferenceBackend(be.manifest)
 
 
 def _check(be, ref, op, tensors, params, route=None, exact=()):

@@ -99,14 +99,6 @@ def test_chunked_algebra_matches_recurrence_cpu(wide):
 
 # ----------------------------------------------------------------------------------------------- GPU
 
-@pytest.fixture(scope="module")
-def be():
-    from ninfer.runtime.dispatch import CudaBackend
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return CudaBackend()
-
-
 def gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 

@@ -28,14 +28,6 @@ GDN_OPS = ("gdn_conv", "gdn_gates", "gdn_delta_rule", "gdn_gated_norm")
 RUNS = [[1], [2], [3], [1, 2, 3], [3, 0, 1, 2, 5], [7, 1, 16, 2], [1] * 33, [64, 1, 3, 2], [200, 57]]
 
 
-@pytest.fixture(scope="module")
-def be():
-    from ninfer.runtime.dispatch import CudaBackend
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return CudaBackend()
-
-
 def channels(shape):
     hk, hv, dk, dv = shape
     return 2 * hk * dk + hv * dv

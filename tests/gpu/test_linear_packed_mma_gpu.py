@@ -634,13 +634,6 @@ KS = [8, 72, 200, 1024]
 TS = [1, 9, 63, 64, 65, 200]
 
 
-@pytest.fixture(scope="module")
-def be():
-    from ninfer.runtime.dispatch import CudaBackend
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return CudaBackend()
-
-
 def packed(fmt: str, N: int, K: int, seed: int) -> torch.Tensor:
     rng = np.random.default_rng(seed)
     w = formats.encode(fmt, (rng.standard_normal((N, K)) * 0.05).astype(np.float32))

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from ninfer.runtime.contracts import ContractError
-from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
 from tests.ops_cases import boundary_ts
@@ -18,19 +17,6 @@ QWEN36_35B = {"H": 2048, "E": 256, "I": 512, "K": 8}
 QWEN3_NEXT = {"H": 2048, "E": 512, "I": 512, "K": 10}
 TINY = {"H": 256, "E": 8, "I": 128, "K": 2}
 ODD = {"H": 200, "E": 12, "I": 24, "K": 3}  # I/8 = 3 chunks, I not a multiple of the cluster size
-
-
-@pytest.fixture(scope="module")
-def be():
-    from ninfer.runtime.dispatch import CudaBackend
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return CudaBackend()
-
-
-@pytest.fixture(scope="module")
-def ref(be):
-    return ReferenceBackend(be.manifest)
 
 
 def gen(seed):

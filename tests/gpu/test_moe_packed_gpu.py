@@ -9,7 +9,6 @@ import torch
 
 from ninfer.runtime import formats
 from ninfer.runtime.contracts import ContractError
-from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.reference_quant import MOE_PAIRS, moe_op
 from ninfer.runtime.tolerance import compare
@@ -28,19 +27,6 @@ CASES = [(REAL, 1), (REAL, 4)] + [(s, T) for s in (ODD, SMALL) for T in (1, 2, 8
 # Encoding all 256 real-shape experts on the CPU takes minutes (fp8 most), so that shape encodes 37 distinct
 # experts and repeats their bytes (its slices are whole 128-row tiles): expert e has the weights of e % 37.
 DISTINCT = 37
-
-
-@pytest.fixture(scope="module")
-def be():
-    from ninfer.runtime.dispatch import CudaBackend
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return CudaBackend()
-
-
-@pytest.fixture(scope="module")
-def ref(be):
-    return ReferenceBackend(be.manifest)
 
 
 def gen(seed):

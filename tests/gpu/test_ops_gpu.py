@@ -14,13 +14,6 @@ pytestmark = pytest.mark.gpu
 ROUTE_TS = [1, 2, 3, 7, 8, 9, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000]
 
 
-@pytest.fixture(scope="module")
-def be():
-    from ninfer.runtime.dispatch import CudaBackend
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return CudaBackend()
-
-
 def check(be, op, dims, route=None, seed=0):
     contract = be.contract(op)
     gen = torch.Generator().manual_seed(seed)

@@ -14,7 +14,6 @@ import warnings
 import pytest
 import torch
 
-from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.tolerance import compare
 
 pytestmark = pytest.mark.gpu
@@ -44,17 +43,6 @@ GRID = [
     (0.0, 0, 1.0, 0.0, 0.7, 0.2),      # greedy with penalties
     (-1.0, 7, 0.5, 0.3, 0.0, 0.0),     # negative temperature: greedy, the other knobs ignored
 ]
-
-
-@pytest.fixture(scope="module")
-def be():
-    from ninfer.runtime.dispatch import CudaBackend
-    return CudaBackend()
-
-
-@pytest.fixture(scope="module")
-def ref(be):
-    return ReferenceBackend(be.manifest)
 
 
 def distinct_logits(T, V, gen, scale=2.0):
