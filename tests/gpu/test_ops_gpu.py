@@ -143,3 +143,17 @@ def test_cuda_graph_capture_and_replay(be):
         ref.run("add", a=ref_h, b=ref_out, y=ref_h)
         v = compare(h, ref_h, be.manifest.tolerances["linear_tc"], f"graph replay {trial}")
         assert v, v.detail
+
+
+def test_plan_cache_reuses_identical_calls_and_still_checks(be):
+    """A repeated call returns the cached launch; any change in a tensor (address, shape, strides) or a scalar
+    makes a new plan, so a non-contiguous view over a cached buffer is still refused."""
+    from ninfer.runtime.contracts import ContractError
+    big = torch.randn(4, 512, device="cuda").bfloat16()
+    x, w, y = big[:, :256].contiguous(), torch.randn(256, device="cuda").bfloat16(), torch.empty(4, 256, device="cuda").bfloat16()
+    p1 = be.plan("rms_norm_zc", x=x, w=w, y=y, eps=1e-6)
+    assert be.plan("rms_norm_zc", x=x, w=w, y=y, eps=1e-6) is p1
+    assert be.plan("rms_norm_zc", x=x, w=w, y=y, eps=1e-5) is not p1
+    be.plan("rms_norm_zc", x=big[:, :256].contiguous(), w=w, y=y, eps=1e-6)
+    with pytest.raises(ContractError, match="contiguous"):
+        be.plan("rms_norm_zc", x=big[:, :256], w=w, y=y, eps=1e-6)
