@@ -154,6 +154,5 @@ def test_plan_cache_reuses_identical_calls_and_still_checks(be):
     p1 = be.plan("rms_norm_zc", x=x, w=w, y=y, eps=1e-6)
     assert be.plan("rms_norm_zc", x=x, w=w, y=y, eps=1e-6) is p1
     assert be.plan("rms_norm_zc", x=x, w=w, y=y, eps=1e-5) is not p1
-    be.plan("rms_norm_zc", x=big[:, :256].contiguous(), w=w, y=y, eps=1e-6)
     with pytest.raises(ContractError, match="contiguous"):
         be.plan("rms_norm_zc", x=big[:, :256], w=w, y=y, eps=1e-6)
