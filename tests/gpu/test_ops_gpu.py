@@ -150,9 +150,10 @@ def test_plan_cache_reuses_identical_calls_and_still_checks(be):
     makes a new plan, so a non-contiguous view over a cached buffer is still refused."""
     from ninfer.runtime.contracts import ContractError
     big = torch.randn(4, 512, device="cuda").bfloat16()
-    x, w, y = big[:, :256].contiguous(), torch.randn(256, device="cuda").bfloat16(), torch.empty(4, 256, device="cuda").bfloat16()
+    x = big.view(-1)[:1024].view(4, 256)          # contiguous, at big's address, shape [4, 256]
+    w, y = torch.randn(256, device="cuda").bfloat16(), torch.empty(4, 256, device="cuda").bfloat16()
     p1 = be.plan("rms_norm_zc", x=x, w=w, y=y, eps=1e-6)
     assert be.plan("rms_norm_zc", x=x, w=w, y=y, eps=1e-6) is p1
     assert be.plan("rms_norm_zc", x=x, w=w, y=y, eps=1e-5) is not p1
-    with pytest.raises(ContractError, match="contiguous"):
+    with pytest.raises(ContractError, match="contiguous"):   # same address and shape as x, other strides
         be.plan("rms_norm_zc", x=big[:, :256], w=w, y=y, eps=1e-6)
