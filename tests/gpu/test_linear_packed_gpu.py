@@ -21,6 +21,9 @@ pytestmark = pytest.mark.gpu
 FORMATS = ["q4", "q5", "q6", "w8", "fp8"]
 NS = [1, 77, 128, 130, 300]
 KS = [8, 72, 128, 200, 5120]
+# Several K stages of the staged routes (gemv_coal: 512 code bytes per row per stage), the last one partial,
+# K not a multiple of 128: q4 K = 1032 is 9 units (stages of 8 + 1), 2120 is 17; 8-bit formats twice that.
+STAGED = [(77, 1032), (130, 2120)]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +108,7 @@ def run_and_check(be, ref, fmt, w, x, N, route=None):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("N,K", [(n, k) for n in NS for k in KS], ids=lambda v: str(v))
+@pytest.mark.parametrize("N,K", [(n, k) for n in NS for k in KS] + STAGED, ids=lambda v: str(v))
 def test_every_gemv_tile(be, ref, fmt, N, K):
     w = packed(fmt, N, K)
     for route, tmax in gemv_tiles(be, fmt):
@@ -145,13 +148,27 @@ def test_real_shape(be, ref, fmt, N, K):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_graph_capture(be, ref, fmt):
-    """A gemv plan captured once and replayed twice gives the eager result, bit for bit, on new inputs."""
+    """A gemv plan (the table's) captured once and replayed twice gives the eager result, bit for bit, on
+    new inputs."""
+    check_graph_capture(be, ref, fmt, None)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_graph_capture_every_gemv_tile(be, ref, fmt):
+    """The same for every gemv tile (gemv_coal's cp.async ring and static shared memory included)."""
+    for route, _ in gemv_tiles(be, fmt):
+        check_graph_capture(be, ref, fmt, route)
+
+
+def check_graph_capture(be, ref, fmt, route):
     N, K, T = 300, 5120, 1
     w = packed(fmt, N, K)
     x = activations(T, K, T, seed=5)
     y = torch.empty(T, N, dtype=torch.bfloat16, device="cuda")
-    plan = be.plan(f"linear_{fmt}", x=x, w=w, y=y)
+    plan = be.plan(f"linear_{fmt}", route=route, x=x, w=w, y=y)
     assert is_gemv(plan.kernel.route)
+    if route is not None:
+        assert plan.kernel.instance == route
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -172,7 +189,7 @@ def test_cuda_graph_capture(be, ref, fmt):
         assert torch.equal(replayed, y), f"replay {trial} differs from eager"
         y_ref = torch.empty_like(y)
         ref.run(f"linear_{fmt}", x=x.clone(), w=w.clone(), y=y_ref)
-        v = compare(replayed, y_ref, be.manifest.tolerances["linear_tc"], f"graph replay {trial}")
+        v = compare(replayed, y_ref, be.manifest.tolerances["linear_tc"], f"{plan.kernel.instance} graph replay {trial}")
         assert v, v.detail
         outs.append(replayed)
     assert not torch.equal(outs[0], outs[1])  # the replays saw the new inputs
