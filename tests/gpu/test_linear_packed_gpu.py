@@ -21,8 +21,8 @@ pytestmark = pytest.mark.gpu
 FORMATS = ["q4", "q5", "q6", "w8", "fp8"]
 NS = [1, 77, 128, 130, 300]
 KS = [8, 72, 128, 200, 5120]
-# Several K stages of the staged routes (gemv_coal: 512 code bytes per row per stage), the last one partial,
-# K not a multiple of 128: q4 K = 1032 is 9 units (stages of 8 + 1), 2120 is 17; 8-bit formats twice that.
+# Long rows whose K is not a multiple of 128: q4 K = 1032 is 9 units of 128 lanes, 2120 is 17 (8-bit formats
+# twice that), so the unrolled main loop ends with a partial step.
 STAGED = [(77, 1032), (130, 2120)]
 
 
@@ -155,7 +155,7 @@ def test_cuda_graph_capture(be, ref, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_graph_capture_every_gemv_tile(be, ref, fmt):
-    """The same for every gemv tile (gemv_coal's cp.async ring and static shared memory included)."""
+    """The same for every gemv tile."""
     for route, _ in gemv_tiles(be, fmt):
         check_graph_capture(be, ref, fmt, route)
 
