@@ -1,9 +1,184 @@
-"""`ninfer-tune`: per-GPU route tables (lands with the performance issue)."""
-from ._pending import not_implemented
+"""`ninfer-tune`: measure every applicable route of every linear problem of a model on this GPU and write
+the GPU's own route tables, specs/tuned/<gpu>.yaml, which `make generate` validates (closed catalogue, like
+any table) and the runtime prefers when it runs on that GPU.
+
+For each (op, problem) and each T of a grid, every route instance that admits the whole span [T, next grid
+T - 1] is timed (CUDA-graph replays over input copies that exceed the L2, as `ninfer-bench ops`); the fastest
+owns the span. Nothing is written until every measurement is done and the new file passed validation, so an
+interrupted run leaves the previous table as it was.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+GRID = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
-def main() -> None:
-    not_implemented("ninfer-tune", "route tuning lands with issue 6")
+def build_spans(grid: list[int], winners: list[str]) -> list[dict]:
+    """The fastest instance at grid[i] owns T = grid[i] .. grid[i+1] - 1 (the last one to ∞); equal
+    neighbours merge. grid starts at 1, so the spans cover every T once."""
+    if not grid or grid[0] != 1 or sorted(set(grid)) != list(grid) or len(winners) != len(grid):
+        raise ValueError("the T grid must be strictly increasing from 1, with one winner per T")
+    spans: list[dict] = []
+    for i, (t, use) in enumerate(zip(grid, winners)):
+        end = grid[i + 1] - 1 if i + 1 < len(grid) else None
+        if spans and spans[-1]["use"] == use:
+            spans[-1]["to"] = end
+        else:
+            spans.append({"from": t, "to": end, "use": use})
+    return spans
+
+
+def gpu_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def model_problems(shape: str, fmt: str) -> list[tuple[str, dict]]:
+    """(op, {N, K}) of every projection the model file runs through a linear op."""
+    from ninfer.runtime.synthetic import QUANT_SUFFIXES, SHAPES, weight_shapes
+    cfg = SHAPES[shape]
+    out = set()
+    for name, s in weight_shapes(cfg).items():
+        if len(s) != 2 or name == "embed" or name.endswith(("router", "conv", "in_b", "in_a")):
+            continue     # not run through a linear op (embedding, moe_router, gdn_conv) or fused (b|a)
+        op = f"linear_{fmt}" if fmt != "bf16" and name.endswith(QUANT_SUFFIXES) else "linear"
+        out.add((op, s[0], s[1]))
+    if not all(cfg.is_attention(i) for i in range(cfg.layers)):
+        out.add(("linear", 2 * cfg.v_heads, cfg.hidden))      # the GDN b|a projection (models/blocks.py)
+    return [(op, {"N": n, "K": k}) for op, n, k in sorted(out)]
+
+
+def admits(kernel, dims: dict) -> bool:
+    from ninfer.runtime.manifest import evaluate
+    return all(evaluate(c, dims) for c in kernel.constraints)
+
+
+def measure(be, op: str, problem: dict, grid, reps: int, echo) -> list[str]:
+    """The fastest instance at each grid T among those admitting the whole span it would own."""
+    import torch
+
+    from ninfer.cli.bench import L2_BYTES, _make, _time_graph
+    contract = be.contract(op)
+    kernels = [k for k in be.manifest.kernels.values() if k.op == op and k.arch == be.device.arch and k.dtype == "bf16"]
+    rng = torch.Generator(device="cuda")
+    rng.manual_seed(0)
+    winners = []
+    for i, t in enumerate(grid):
+        last = grid[i + 1] - 1 if i + 1 < len(grid) else 1 << 30
+        base = _make(torch, contract, "bf16", {"T": t, **problem}, rng, op)
+        dims = {"T": t, **problem}
+        footprint = sum(v.numel() * v.element_size() for v in base.values())
+        sets = [base] + [{k: v.clone() for k, v in base.items()} for _ in range(max(0, min(4, -(-2 * L2_BYTES // footprint)) - 1))]
+        best = None
+        for k in kernels:
+            if not (admits(k, dims) and admits(k, {**dims, "T": last})):
+                continue
+            plans = [be.plan(op, route=k.instance, **s) for s in sets]
+            launches = max(len(sets), min(20, int(2e-3 / max(footprint / 3e12, 1e-7))))
+            secs = _time_graph(torch, plans, reps, launches)
+            if best is None or secs < best[0]:
+                best = (secs, k.instance)
+        if best is None:
+            raise click.ClickException(f"{op} {problem}: no route admits T={t}..{last}")
+        echo(f"  {op} N={problem['N']} K={problem['K']} T={t}: {best[1]} {best[0] * 1e6:.1f} us")
+        winners.append(best[1])
+        del sets, base
+        torch.cuda.empty_cache()
+    return winners
+
+
+def render(gpu: str, arch: str, note: str, tables: list[dict]) -> str:
+    lines = [f"# Route tables measured by ninfer-tune on {gpu} ({arch}). Regenerate with ninfer-tune; hand",
+             "# edits are validated like any table (closed catalogue) by `make generate`.",
+             f"gpu: {gpu}", f"arch: {arch}", f"measured: {note}", "tables:"]
+    for t in tables:
+        problem = ", ".join(f"{k}: {v}" for k, v in t["problem"].items())
+        lines += [f"  - op: {t['op']}", "    dtypes: [bf16]", f"    problem: {{{problem}}}", "    spans:"]
+        for s in t["spans"]:
+            to = "null" if s["to"] is None else s["to"]
+            lines.append(f"      - {{from: {s['from']}, to: {to}, use: {s['use']}}}")
+    return "\n".join(lines) + "\n"
+
+
+def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> Path:
+    """Validate the new tuned file against a copy of the spec tree, then move it into place atomically."""
+    from ninfer.codegen.specs import load_specs
+    specs_dir = Path(specs_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        trial = Path(tmp) / "specs"
+        shutil.copytree(specs_dir, trial)
+        (trial / "tuned").mkdir(exist_ok=True)
+        (trial / "tuned" / name).write_text(text, encoding="utf-8")
+        load_specs(trial, templates)            # raises SpecError naming the file and key on any mistake
+    dest = specs_dir / "tuned" / name
+    dest.parent.mkdir(exist_ok=True)
+    fd, part = tempfile.mkstemp(prefix=f".{name}.", dir=dest.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, dest)
+    return dest
+
+
+@click.command()
+@click.option("--shape", type=click.Choice(["qwen3.6-27b", "qwen3.6-35b-a3b"]), default="qwen3.6-27b", show_default=True,
+              help="the model whose linear problems are tuned")
+@click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8"]), default="bf16",
+              show_default=True, help="format of the quantizable matrices")
+@click.option("--op", "ops", multiple=True, help="only these ops (repeatable), e.g. linear_q4")
+@click.option("--grid", default=",".join(map(str, GRID)), show_default=True, help="T values to time")
+@click.option("--reps", default=10, show_default=True)
+@click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
+              help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
+def main(shape, fmt, ops, grid, reps, specs_dir) -> None:
+    """Time every route of every linear problem of a model on this GPU; write specs/tuned/<gpu>.yaml."""
+    from ninfer.runtime.cuda import gpu_available
+    from ninfer.runtime.paths import ROOT
+    if not gpu_available():
+        click.echo("ninfer-tune: needs a CUDA GPU (none found); nothing was written", err=True)
+        sys.exit(2)
+    try:
+        ts = [int(x) for x in grid.split(",")]
+        build_spans(ts, ["x"] * len(ts))
+    except ValueError:
+        raise click.BadParameter("expected comma-separated T values increasing from 1", param_hint="--grid") from None
+    from ninfer.runtime.dispatch import CudaBackend
+    be = CudaBackend()
+    problems = [(op, p) for op, p in model_problems(shape, fmt) if not ops or op in ops]
+    if not problems:
+        raise click.BadParameter(f"no linear problem of {shape} ({fmt}) uses the ops {', '.join(ops)}", param_hint="--op")
+    gpu, arch = be.device.name, be.device.arch
+    click.echo(f"# ninfer-tune on {gpu} ({arch}): {len(problems)} problems x {len(ts)} T values", err=True)
+    tables = []
+    for op, problem in problems:
+        winners = measure(be, op, problem, ts, reps, lambda m: click.echo(m, err=True))
+        tables.append({"op": op, "problem": problem, "spans": build_spans(ts, winners)})
+    note = f"{datetime.date.today().isoformat()}, {shape} {fmt}, grid {grid}"
+    root = Path(specs_dir) if specs_dir else ROOT / "specs"
+    name = f"{gpu_slug(gpu)}.yaml"
+    existing = root / "tuned" / name
+    if existing.is_file():    # keep the previous tables of problems this run did not measure
+        tables = _merge(existing, tables)
+    dest = write_validated(root, ROOT / "codegen" / "templates", name, render(gpu, arch, note, tables))
+    click.echo(f"wrote {dest}: {len(tables)} tables; run `make generate` to use them")
+
+
+def _merge(existing: Path, tables: list[dict]) -> list[dict]:
+    import yaml
+    old = yaml.safe_load(existing.read_text(encoding="utf-8")) or {}
+    new_keys = {(t["op"], tuple(sorted(t["problem"].items()))) for t in tables}
+    kept = [t for t in old.get("tables", []) if (t["op"], tuple(sorted(t.get("problem", {}).items()))) not in new_keys]
+    return kept + tables
 
 
 if __name__ == "__main__":

@@ -125,16 +125,8 @@ def build_manifest_and_sources(specs: SpecSet, templates: Path) -> tuple[dict, d
                             "spec": route.file, "source_sha256": hashlib.sha256(text.encode()).hexdigest(),
                             "args": low["args"], "grid": low["grid"], "block": low["block"], "smem": low["smem"],
                             "constraints": low["constraints"], "line_map": line_map}
-    tables: dict = {}
-    for t in specs.tables:
-        for a in t.archs:
-            for d in t.dtypes:
-                entry = {"problem": dict(sorted(t.problem.items())), "spans": [list(s) for s in t.spans], "spec": t.file}
-                tables.setdefault(a, {}).setdefault(t.op, {}).setdefault(d, []).append(entry)
-    for a in tables.values():
-        for o in a.values():
-            for lst in o.values():
-                lst.sort(key=lambda e: (len(e["problem"]) == 0, json.dumps(e["problem"])))  # specific problems first
+    tables = _tables(specs.tables)
+    tuned = {gpu: {"arch": arch, "tables": _tables(ts)[arch]} for gpu, (arch, ts) in sorted(specs.tuned.items()) if ts}
     ops = {name: {"summary": op.doc["summary"], "formula": op.doc["formula"], "dims": list(op.dims),
                   "problem": op.problem, "dtypes": op.dtypes,
                   # lists, not mappings: argument order is part of the contract and JSON keys get sorted
@@ -146,8 +138,23 @@ def build_manifest_and_sources(specs: SpecSet, templates: Path) -> tuple[dict, d
     archs = {a.name: {"cc": a.cc, "smem_per_block": a.smem_per_block, "sm_count_hint": a.sm_count_hint,
                       "features": a.features} for a in specs.archs.values()}
     manifest = {"version": MANIFEST_VERSION, "archs": archs, "tolerances": specs.tolerances, "ops": ops,
-                "kernels": dict(sorted(kernels.items())), "tables": tables}
+                "kernels": dict(sorted(kernels.items())), "tables": tables, "tuned": tuned}
     return manifest, sources
+
+
+def _tables(table_list) -> dict:
+    """arch -> op -> dtype -> [{problem, spans, spec}], specific problems before the default."""
+    tables: dict = {}
+    for t in table_list:
+        for a in t.archs:
+            for d in t.dtypes:
+                entry = {"problem": dict(sorted(t.problem.items())), "spans": [list(s) for s in t.spans], "spec": t.file}
+                tables.setdefault(a, {}).setdefault(t.op, {}).setdefault(d, []).append(entry)
+    for a in tables.values():
+        for o in a.values():
+            for lst in o.values():
+                lst.sort(key=lambda e: (len(e["problem"]) == 0, json.dumps(e["problem"])))
+    return tables
 
 
 def write_tree(out: Path, manifest: dict, sources: dict[str, str]) -> None:

@@ -89,6 +89,7 @@ class SpecSet:
     ops: dict[str, Op]
     routes: dict[str, dict[str, Route]]         # op -> route name -> Route
     tables: list[Table]
+    tuned: dict = field(default_factory=dict)   # GPU name -> (arch, [Table]) from tuned/*.yaml (ninfer-tune)
 
 
 def _need(cond, file, path, msg):
@@ -357,7 +358,36 @@ def load_specs(root: Path, templates: Path) -> SpecSet:
         routes[name] = rs
         tables += ts
     _check_coverage(ops, routes, tables, archs)
-    return SpecSet(root, archs, tolerances, ops, routes, tables)
+    tuned = {}
+    for f in sorted((root / "tuned").glob("*.yaml")) if (root / "tuned").is_dir() else []:
+        gpu, arch, ts = load_tuned(root, f"tuned/{f.name}", ops, routes, archs)
+        _need(gpu not in tuned, f"tuned/{f.name}", "gpu", f"a second tuned file for {gpu!r}")
+        tuned[gpu] = (arch, ts)
+    return SpecSet(root, archs, tolerances, ops, routes, tables, tuned)
+
+
+def load_tuned(root: Path, file: str, ops, routes, archs):
+    """tuned/<gpu>.yaml (written by ninfer-tune): route tables measured on one GPU, for its arch. Each table
+    obeys the closed catalogue exactly like a default table; one per (op, dtype, problem)."""
+    data = load_yaml(root / file, root)
+    _keys(data, file, "", {"gpu", "arch", "tables"}, {"measured"})
+    _need(isinstance(data["gpu"], str) and data["gpu"], file, "gpu", "expected the GPU's name (torch.cuda.get_device_name)")
+    arch = data["arch"]
+    _need(arch in archs, file, "arch", f"unknown arch {arch!r} (allowed: {', '.join(sorted(archs))})")
+    _need(isinstance(data["tables"], list), file, "tables", "expected a list of tables")
+    tables, seen = [], set()
+    for i, t in enumerate(data["tables"]):
+        p = f"tables[{i}]"
+        _need(isinstance(t, dict) and t.get("op") in routes, file, f"{p}.op",
+              f"unknown op or op without routes {t.get('op') if isinstance(t, dict) else t!r}")
+        op = ops[t["op"]]
+        table = _table({k: v for k, v in t.items() if k != "op"} | {"archs": [arch]}, file, p, op, routes[op.name], archs)
+        for d in table.dtypes:
+            key = (op.name, d, tuple(sorted(table.problem.items())))
+            _need(key not in seen, file, p, f"two tuned tables for {op.name}/{d} problem {dict(table.problem) or 'any'}")
+            seen.add(key)
+        tables.append(table)
+    return data["gpu"], arch, tables
 
 
 def _check_coverage(ops, routes, tables, archs):

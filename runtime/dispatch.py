@@ -111,6 +111,11 @@ class CudaBackend(Backend):
         self.device = device(device_index)
         self._modules: dict[str, object] = {}
         self._plans: OrderedDict = OrderedDict()
+        tuned = self.manifest.data.get("tuned", {})
+        if tuned and not self.manifest.tuned_for(self.device.name, self.device.arch):
+            import sys
+            print(f"ninfer: tuned route tables exist for {', '.join(sorted(tuned))}, not for this "
+                  f"{self.device.name} ({self.device.arch}): using the default tables", file=sys.stderr)
 
     PLAN_CACHE = 8192
     # set to a list to record (op, route instance, dims, start, end) CUDA events of every run() (eager calls;
@@ -162,7 +167,7 @@ class CudaBackend(Backend):
         problem = {d: dims[d] for d in contract["problem"]}
         arch = self.device.arch
         if route is None:
-            return self.manifest.resolve(arch, op, dtype, problem, dims["T"])
+            return self.manifest.resolve(arch, op, dtype, problem, dims["T"], self.device.name)
         return self.manifest.kernel(arch, op, route, dtype)
 
     def _plan(self, op: str, *, route: str | None = None, **args):

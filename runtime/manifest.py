@@ -94,8 +94,17 @@ class Manifest:
             raise RouteError(f"no kernel {instance} for {op} on {arch}/{dtype} (built: {', '.join(have) or 'none'})")
         return self.kernels[key]
 
-    def table(self, arch: str, op: str, dtype: str, problem: dict) -> list:
-        """The span list for an exact problem: a table for that problem if listed, else the default."""
+    def tuned_for(self, gpu: str | None, arch: str) -> dict:
+        """The tuned tables (ninfer-tune) of this GPU, when they were measured on it and its arch matches."""
+        t = self.data.get("tuned", {}).get(gpu or "")
+        return t["tables"] if t and t["arch"] == arch else {}
+
+    def table(self, arch: str, op: str, dtype: str, problem: dict, gpu: str | None = None) -> list:
+        """The span list for an exact problem: this GPU's tuned table for that problem or op if there is one,
+        else the default tables' (a table for that problem if listed, else the default)."""
+        for e in self.tuned_for(gpu, arch).get(op, {}).get(dtype, []):
+            if all(problem.get(k) == v for k, v in e["problem"].items()):
+                return e["spans"]
         try:
             entries = self.data["tables"][arch][op][dtype]
         except KeyError:
@@ -107,10 +116,10 @@ class Manifest:
                 return e["spans"]
         raise RouteError(f"no route table for {op} on {arch}/{dtype} admits problem {problem}")
 
-    def resolve(self, arch: str, op: str, dtype: str, problem: dict, T: int) -> KernelInfo:
+    def resolve(self, arch: str, op: str, dtype: str, problem: dict, T: int, gpu: str | None = None) -> KernelInfo:
         if T < 1:
             raise RouteError(f"{op}: T must be >= 1, got {T}")
-        for lo, hi, use in self.table(arch, op, dtype, problem):
+        for lo, hi, use in self.table(arch, op, dtype, problem, gpu):
             if lo <= T and (hi is None or T <= hi):
                 return self.kernel(arch, op, use, dtype)
         raise RouteError(f"{op} on {arch}/{dtype}: no span admits T={T}")  # codegen proves this cannot happen

@@ -1,0 +1,77 @@
+"""ninfer-tune's table building and writing, and the tuned tables through codegen and the manifest: a
+valid table is picked on its GPU only, a broken one is refused by name and leaves the previous file as it
+was. (The timing itself needs a GPU: it ran on the H200, see specs/tuned/.)"""
+import pytest
+
+from ninfer.cli.tune import build_spans, gpu_slug, model_problems, render, write_validated
+from ninfer.codegen.render import build_manifest_and_sources
+from ninfer.codegen.specs import load_specs
+from ninfer.codegen.yamlio import SpecError
+from ninfer.runtime.manifest import Manifest
+
+GPU = "Test GPU 9000"
+PROBLEM = {"N": 17408, "K": 5120}
+
+
+def test_spans_cover_every_t_once_and_merge_neighbours():
+    spans = build_spans([1, 2, 4, 8, 64], ["a", "a", "b", "b", "c"])
+    assert spans == [{"from": 1, "to": 3, "use": "a"}, {"from": 4, "to": 63, "use": "b"},
+                     {"from": 64, "to": None, "use": "c"}]
+    for bad in ([2, 4], [1, 4, 4], [1, 3, 2]):
+        with pytest.raises(ValueError):
+            build_spans(bad, ["a"] * len(bad))
+
+
+def test_model_problems_are_the_linear_shapes():
+    got = model_problems("qwen3.6-27b", "q4")
+    assert ("linear_q4", {"N": 34816, "K": 5120}) in got and ("linear_q4", {"N": 248320, "K": 5120}) in got
+    assert ("linear", {"N": 96, "K": 5120}) in got            # the GDN b|a projection runs bf16
+    assert all(op in ("linear", "linear_q4") for op, _ in got)
+    assert gpu_slug("NVIDIA H200") == "nvidia-h200"
+
+
+def tuned_text(spans, op="linear"):
+    return render(GPU, "sm_90a", "test", [{"op": op, "problem": PROBLEM, "spans": spans}])
+
+
+GOOD = [{"from": 1, "to": 1, "use": "gemv.t1r8"}, {"from": 2, "to": 100, "use": "mma.m64n128k64s4"},
+        {"from": 101, "to": None, "use": "wgmma.m128n128k64s6c2"}]
+
+
+def test_a_tuned_table_is_used_on_its_gpu_only(spec_tree):
+    specs, templates = spec_tree
+    dest = write_validated(specs, templates, "test-gpu.yaml", tuned_text(GOOD))
+    assert dest.read_text().startswith("# Route tables measured by ninfer-tune")
+    manifest, _ = build_manifest_and_sources(load_specs(specs, templates), templates)
+    m = Manifest(manifest)
+    for T, want in [(1, "gemv.t1r8"), (50, "mma.m64n128k64s4"), (101, "wgmma.m128n128k64s6c2")]:
+        assert m.resolve("sm_90a", "linear", "bf16", PROBLEM, T, gpu=GPU).instance == want
+    assert m.resolve("sm_90a", "linear", "bf16", PROBLEM, 1).instance == "gemv.t1"              # any other GPU
+    assert m.resolve("sm_90a", "linear", "bf16", {"N": 77, "K": 200}, 1, gpu=GPU).instance == "gemv.t1"
+    assert m.tuned_for(GPU, "sm_80") == {}                     # measured on another arch: ignored
+
+
+@pytest.mark.parametrize("spans,message", [
+    ([{"from": 1, "to": 9, "use": "gemv.t1"}, {"from": 10, "to": None, "use": "mma.m64n64k64s4"}],
+     "admits only T <= 1; the span reaches T=9"),
+    ([{"from": 1, "to": 4, "use": "gemv.t4"}, {"from": 6, "to": None, "use": "mma.m64n64k64s4"}],
+     "gap: T=5..5 is covered by no span"),
+    ([{"from": 1, "to": None, "use": "gemv.nope"}], "unknown route instance 'gemv.nope'"),
+    ([{"from": 1, "to": 4, "use": "gemv.t4"}], "gap: T=5..∞"),
+])
+def test_a_broken_tuned_table_is_refused_and_the_previous_one_kept(spec_tree, spans, message):
+    specs, templates = spec_tree
+    previous = write_validated(specs, templates, "test-gpu.yaml", tuned_text(GOOD)).read_text()
+    with pytest.raises(SpecError, match="tuned/test-gpu.yaml") as e:
+        write_validated(specs, templates, "test-gpu.yaml", tuned_text(spans))
+    assert message in str(e.value)
+    assert (specs / "tuned" / "test-gpu.yaml").read_text() == previous
+    assert [p.name for p in (specs / "tuned").iterdir()] == ["test-gpu.yaml"]   # no temp file left behind
+
+
+def test_a_hand_broken_tuned_file_fails_generation(spec_tree):
+    specs, templates = spec_tree
+    (specs / "tuned").mkdir(exist_ok=True)
+    (specs / "tuned" / "x.yaml").write_text(tuned_text(GOOD, op="no_such_op"))
+    with pytest.raises(SpecError, match="unknown op or op without routes"):
+        load_specs(specs, templates)
