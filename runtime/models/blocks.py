@@ -33,7 +33,8 @@ def new(like: torch.Tensor, *shape, dtype=None) -> torch.Tensor:
 # Prefill over a packed weight: from this many tokens on, decoding the matrix once into a scratch (one
 # memory-bound pass) and running the dense GEMM (wgmma on Hopper, ~600 TFLOP/s) beats the fused-dequant
 # mma.sync route (~200 TFLOP/s); matrices above the byte cap (the lm_head when every row's logits are wanted)
-# stay on the fused route rather than take a multi-GB scratch. Measured: PERF_NOTES.md (2026-12-01).
+# stay on the fused route rather than take a multi-GB scratch. The rates are measured (PERF_NOTES.md,
+# 2026-12-01); the crossover at 256 tokens is estimated from them, not swept.
 DEQUANT_MIN_T = 256
 DEQUANT_MAX_BYTES = 512 << 20
 
