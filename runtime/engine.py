@@ -85,14 +85,18 @@ class Sequence:
 class Engine:
     def __init__(self, artifact_path, *, backend: str = "auto", max_context: int = 4096, max_seqs: int = 8,
                  page_size: int = 16, prefill_chunk: int = 1024, kv_capacity: str | int = "auto",
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, packed_weights: bool | None = None):
+        """packed_weights: keep q4/q5/q6/w8/fp8 matrices packed (the packed ops decode them on the fly).
+        Default: on the cuda backend; the reference backend decodes them once at load (its packed ops would
+        re-decode every matrix at every step: a CPU demo would crawl)."""
         be = make_backend(backend)
         self.art = open_artifact(artifact_path)
         try:
             cfg = parse_config(self.art.resource("config.json"))
             device = torch.device("cuda" if be.name == "cuda" else "cpu")
             # The reference backend computes in fp32 (the CPU oracle path); the generated kernels in bf16.
-            weights = load_weights(self.art, device, torch.bfloat16 if be.name == "cuda" else torch.float32)
+            packed = be.name == "cuda" if packed_weights is None else packed_weights
+            weights = load_weights(self.art, device, torch.bfloat16 if be.name == "cuda" else torch.float32, packed)
             self._setup(be, cfg, weights, token_domain(self.art, cfg.vocab), max_context=max_context,
                         max_seqs=max_seqs, page_size=page_size, prefill_chunk=prefill_chunk,
                         kv_capacity=kv_capacity, cuda_graphs=cuda_graphs)

@@ -39,10 +39,11 @@ class PackedWeight:
         return self.data.numel()
 
 
-def load_weights(art, device, dtype: torch.dtype) -> dict:
+def load_weights(art, device, dtype: torch.dtype, packed: bool = True) -> dict:
     """Every text-model tensor on `device`, copied in chunks from the mapping: direct formats cast to the
-    run dtype, packed linear weights kept packed, other packed tensors (the embedding table, and formats
-    no kernel reads packed) decoded exactly and cast. A tied lm_head reads the packed table too."""
+    run dtype, packed linear weights kept packed (with `packed`), other packed tensors (the embedding
+    table, formats no kernel reads packed, everything without `packed`) decoded exactly and cast. A tied
+    lm_head reads the packed table too."""
     out = {}
     for name, entry in art.tensors.items():
         if set(entry.flags) & {"mtp", "visual"}:
@@ -51,12 +52,12 @@ def load_weights(art, device, dtype: torch.dtype) -> dict:
         if entry.format in ("bf16", "fp32"):
             out[name] = art.to_device(name, device).to(want).contiguous()
             continue
-        if entry.format in PACKED:
-            packed = PackedWeight(art.to_device(name, device), entry.format, tuple(entry.shape))
+        if packed and entry.format in PACKED:
+            pw = PackedWeight(art.to_device(name, device), entry.format, tuple(entry.shape))
             if entry.role not in DECODED_ROLES:
-                out[name] = packed
+                out[name] = pw
                 continue
-            out[name + ".packed"] = packed
+            out[name + ".packed"] = pw
         out[name] = torch.from_numpy(art.decode(name)).to(device).to(want).contiguous()
     return out
 

@@ -28,7 +28,7 @@ def test_packed_equals_decoded(tmp_path, kind, fmt):
     plan = plan_conversion(d, fmt=fmt)   # None: the recipe's mix (q4 / q5 / q6 by role)
     convert(plan, art)
     plan.checkpoint.close()
-    eng = Engine(art, backend="reference", max_context=64)
+    eng = Engine(art, backend="reference", max_context=64, packed_weights=True)
     try:
         packed = [n for n, w in eng.weights.items() if isinstance(w, PackedWeight)]
         assert any(".experts." in n for n in packed) == (kind != "dense") and "lm_head" in packed
@@ -36,5 +36,17 @@ def test_packed_equals_decoded(tmp_path, kind, fmt):
         ids = list(range(3, 40, 2))
         assert torch.allclose(eng.score(ids), ref.score(ids), rtol=1e-4, atol=1e-5)
         assert eng.generate([ids[:7]], max_new=8)[0].generated == ref.generate([ids[:7]], max_new=8)[0].generated
+    finally:
+        eng.close()
+
+
+def test_the_reference_backend_decodes_packed_weights_at_load_by_default(tmp_path):
+    d = build("dense", tmp_path / "ckpt")
+    plan = plan_conversion(d, fmt="q4")
+    convert(plan, tmp_path / "q4.ninfer")
+    plan.checkpoint.close()
+    eng = Engine(tmp_path / "q4.ninfer", backend="reference", max_context=64)
+    try:
+        assert not any(isinstance(w, PackedWeight) for w in eng.weights.values())
     finally:
         eng.close()
