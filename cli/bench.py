@@ -76,6 +76,17 @@ def _time_graph(torch, plans, reps: int, launches: int = 20) -> float:
     return _time(torch, graph.replay, reps) / launches
 
 
+def footprint(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def rotating_sets(base: dict, factor: int = 3, most: int = 8) -> list[dict]:
+    """`base` and up to most-1 clones whose bytes together exceed factor x the L2, so launches that cycle
+    through them are timed from HBM, not from cache."""
+    copies = max(1, min(most, -(-factor * L2_BYTES // footprint(base))))
+    return [base] + [{k: v.clone() for k, v in base.items()} for _ in range(copies - 1)]
+
+
 def _bytes(op, tensors, dims) -> int:
     """Fewest bytes the op must move: each input read once, each output written once."""
     if op == "embedding":  # only the gathered rows of the table are read
@@ -159,9 +170,7 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
                 if sets is None:
                     base = _make(torch, contract, "bf16", dims, rng, op)
                     nbytes = _bytes(op, base, dims)
-                    footprint = sum(t.numel() * t.element_size() for t in base.values())
-                    copies = max(1, min(8, -(-3 * L2_BYTES // footprint)))
-                    sets = [base] + [{k: v.clone() for k, v in base.items()} for _ in range(copies - 1)]
+                    sets = rotating_sets(base)
                 try:
                     plans = [be.plan(op, route=inst, **s, **OP_PARAMS.get(op, {})) for s in sets]
                 except RouteError:

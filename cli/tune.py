@@ -66,7 +66,7 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo) -> list[str]:
     """The fastest instance at each grid T among those admitting the whole span it would own."""
     import torch
 
-    from ninfer.cli.bench import L2_BYTES, _make, _time_graph
+    from ninfer.cli.bench import _make, _time_graph, footprint, rotating_sets
     contract = be.contract(op)
     kernels = [k for k in be.manifest.kernels.values() if k.op == op and k.arch == be.device.arch and k.dtype == "bf16"]
     rng = torch.Generator(device="cuda")
@@ -76,14 +76,13 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo) -> list[str]:
         last = grid[i + 1] - 1 if i + 1 < len(grid) else 1 << 30
         base = _make(torch, contract, "bf16", {"T": t, **problem}, rng, op)
         dims = {"T": t, **problem}
-        footprint = sum(v.numel() * v.element_size() for v in base.values())
-        sets = [base] + [{k: v.clone() for k, v in base.items()} for _ in range(max(0, min(4, -(-2 * L2_BYTES // footprint)) - 1))]
+        sets, nbytes = rotating_sets(base, factor=2, most=4), footprint(base)
         best = None
         for k in kernels:
             if not (admits(k, dims) and admits(k, {**dims, "T": last})):
                 continue
             plans = [be.plan(op, route=k.instance, **s) for s in sets]
-            launches = max(len(sets), min(20, int(2e-3 / max(footprint / 3e12, 1e-7))))
+            launches = max(len(sets), min(20, int(2e-3 / max(nbytes / 3e12, 1e-7))))
             secs = _time_graph(torch, plans, reps, launches)
             if best is None or secs < best[0]:
                 best = (secs, k.instance)

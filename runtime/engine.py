@@ -17,9 +17,9 @@ from .cache import CapacityError, SequenceCache, plan_kv_pages
 from .decode_graph import DecodeGraphs
 from .dispatch import backend as make_backend
 from .models import MODELS
-from .models.blocks import Step
+from .models.blocks import Step, dequant_scratch_bytes
 from .models.config import HybridConfig, parse_config
-from .weights import dequant_scratch_bytes, load_weights
+from .weights import load_weights
 
 
 class EngineError(ValueError):

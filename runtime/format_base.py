@@ -10,6 +10,7 @@ converter can encode and append tile after tile with bounded memory and a GEMV/G
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -58,6 +59,23 @@ def check_finite(x: np.ndarray, name: str, row0: int = 0) -> None:
             idx[0] += row0
         raise NonFiniteError(f"tensor {name!r}: non-finite value {value} at row-major index {idx}; "
                              f"weights must be finite")
+
+
+class TileStack(NamedTuple):
+    """Consecutive equal tiles of a packed object: all the full 128-row tiles, or the short last one."""
+    pos: int              # byte offset of its first tile in the object (after the header)
+    row0: int             # its first row
+    tiles: int
+    rows: int             # rows per tile
+    offsets: list         # plane offsets inside a tile
+    sizes: list           # plane sizes
+    tile_bytes: int
+
+    def planes(self, buf):
+        """This stack's planes in the object's bytes `buf` (1-D numpy array or torch tensor): one
+        [tiles, size] view per plane."""
+        tiles = buf[self.pos:self.pos + self.tiles * self.tile_bytes].reshape(self.tiles, self.tile_bytes)
+        return [tiles[:, o:o + size] for o, size in zip(self.offsets, self.sizes)]
 
 
 class Format:
@@ -145,6 +163,17 @@ class TiledFormat(Format):
             pos = align_up(pos + size, PLANE_ALIGN)
         return offsets, pos
 
+    def tile_stacks(self, n: int, kp: int):
+        """The tiles of n rows of kp lanes, in byte order: at most two stacks of equal tiles."""
+        pos, full = self.header_bytes, n // TILE_ROWS * TILE_ROWS
+        for start, stop in ((0, full), (full, n)):
+            if stop > start:
+                r = min(TILE_ROWS, stop - start)
+                offsets, size = self.tile_layout(r, kp)
+                stack = TileStack(pos, start, (stop - start) // r, r, offsets, self.plane_sizes(r, kp), size)
+                pos += stack.tiles * size
+                yield stack
+
     def nbytes(self, shape) -> int:
         self.check_shape(shape)
         n, k = as_matrix_shape(shape)
@@ -165,20 +194,13 @@ class TiledFormat(Format):
             padded = np.zeros((n, kp), np.float32)
             padded[:, :k] = rows
             rows = padded
-        full = n // TILE_ROWS * TILE_ROWS
         parts = []
-        for start, stop in ((0, full), (full, n)):
-            if stop == start:
-                continue
-            r = min(TILE_ROWS, stop - start)
-            nt = (stop - start) // r
-            x = rows[start:stop].reshape(nt, r, kp)
-            planes = self.encode_tiles(x, name, row0 + start, amax)
-            offsets, size = self.tile_layout(r, kp)
-            out = np.zeros((nt, size), np.uint8)
-            for off, plane in zip(offsets, planes):
-                out[:, off:off + plane.shape[1]] = plane
-            parts.append(out.reshape(-1))
+        for st in self.tile_stacks(n, kp):
+            x = rows[st.row0:st.row0 + st.tiles * st.rows].reshape(st.tiles, st.rows, kp)
+            out = np.zeros(st.tiles * st.tile_bytes, np.uint8)
+            for view, plane in zip(TileStack(0, *st[1:]).planes(out), self.encode_tiles(x, name, row0 + st.row0, amax)):
+                view[:] = plane
+            parts.append(out)
         return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
     def decode(self, buf, shape) -> np.ndarray:
@@ -189,18 +211,8 @@ class TiledFormat(Format):
         n, k = as_matrix_shape(shape)
         kp = align_up(k, K_ALIGN)
         header = buf[:self.header_bytes]
-        pos, out = self.header_bytes, []
-        full = n // TILE_ROWS * TILE_ROWS
-        for start, stop in ((0, full), (full, n)):
-            if stop == start:
-                continue
-            r = min(TILE_ROWS, stop - start)
-            nt = (stop - start) // r
-            offsets, size = self.tile_layout(r, kp)
-            tiles = buf[pos:pos + nt * size].reshape(nt, size)
-            pos += nt * size
-            planes = [tiles[:, off:off + sz] for off, sz in zip(offsets, self.plane_sizes(r, kp))]
-            out.append(self.decode_tiles(planes, r, kp, header).reshape(nt * r, kp))
+        out = [self.decode_tiles(st.planes(buf), st.rows, kp, header).reshape(st.tiles * st.rows, kp)
+               for st in self.tile_stacks(n, kp)]
         return np.concatenate(out)[:, :k].reshape(shape).astype(np.float32, copy=False)
 
     @staticmethod

@@ -102,19 +102,19 @@ class Manifest:
     def table(self, arch: str, op: str, dtype: str, problem: dict, gpu: str | None = None) -> list:
         """The span list for an exact problem: this GPU's tuned table for that problem or op if there is one,
         else the default tables' (a table for that problem if listed, else the default)."""
-        for e in self.tuned_for(gpu, arch).get(op, {}).get(dtype, []):
-            if all(problem.get(k) == v for k, v in e["problem"].items()):
-                return e["spans"]
+        tuned = _matching(self.tuned_for(gpu, arch).get(op, {}).get(dtype, []), problem)
+        if tuned is not None:
+            return tuned
         try:
             entries = self.data["tables"][arch][op][dtype]
         except KeyError:
             if not any(k["op"] == op for k in self.data["kernels"].values()):
                 raise RouteError(f"{op} has no generated kernels yet (reference backend only)") from None
             raise RouteError(f"no route table for {op} on {arch}/{dtype} (no kernels for that dtype)") from None
-        for e in entries:
-            if all(problem.get(k) == v for k, v in e["problem"].items()):
-                return e["spans"]
-        raise RouteError(f"no route table for {op} on {arch}/{dtype} admits problem {problem}")
+        spans = _matching(entries, problem)
+        if spans is None:
+            raise RouteError(f"no route table for {op} on {arch}/{dtype} admits problem {problem}")
+        return spans
 
     def resolve(self, arch: str, op: str, dtype: str, problem: dict, T: int, gpu: str | None = None) -> KernelInfo:
         if T < 1:
@@ -123,3 +123,11 @@ class Manifest:
             if lo <= T and (hi is None or T <= hi):
                 return self.kernel(arch, op, use, dtype)
         raise RouteError(f"{op} on {arch}/{dtype}: no span admits T={T}")  # codegen proves this cannot happen
+
+
+def _matching(entries: list, problem: dict):
+    """The spans of the first table entry for this problem (entries list specific problems before {})."""
+    for e in entries:
+        if all(problem.get(k) == v for k, v in e["problem"].items()):
+            return e["spans"]
+    return None

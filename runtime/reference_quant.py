@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .format_base import K_ALIGN, TILE_ROWS, align_up
+from .format_base import K_ALIGN, align_up
 from .formats import get_format
 from .reference import REFERENCES, linear, moe_experts
 
@@ -47,17 +47,7 @@ def unpack(fmt: str, w: torch.Tensor, n: int, k: int) -> torch.Tensor:
     if w.numel() != f.nbytes((n, k)):
         raise ValueError(f"{fmt}: {w.numel()} bytes given, [{n}, {k}] needs {f.nbytes((n, k))}")
     kp = align_up(k, K_ALIGN)
-    out, pos, full = [], 0, n // TILE_ROWS * TILE_ROWS
-    for start, stop in ((0, full), (full, n)):
-        if stop == start:
-            continue
-        r = min(TILE_ROWS, stop - start)
-        nt = (stop - start) // r
-        offsets, size = f.tile_layout(r, kp)
-        tiles = w[pos:pos + nt * size].reshape(nt, size)
-        pos += nt * size
-        planes = [tiles[:, o:o + s] for o, s in zip(offsets, f.plane_sizes(r, kp))]
-        out.append(_decode_tiles(fmt, planes, r, kp).reshape(nt * r, kp))
+    out = [_decode_tiles(fmt, st.planes(w), st.rows, kp).reshape(st.tiles * st.rows, kp) for st in f.tile_stacks(n, kp)]
     return torch.cat(out)[:, :k]
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format_base import as_matrix_shape
+from .format_base import K_ALIGN, align_up, as_matrix_shape
 from .formats import get_format
 from .reference_quant import PACKED
 
@@ -73,30 +73,20 @@ def random_packed(fmt: str, shape, device, generator: torch.Generator, std: floa
         data[data == 0x80] = 0x81                                  # -128 is not a legal w8 code
     if fmt == "fp8":
         data[(data & 0x7F) == 0x7F] = 0x00                         # E4M3 NaN patterns are never written
-    kp = -(-k // 128) * 128
-    full, pos = n // 128 * 128, 0
-    for start, stop in ((0, full), (full, n)):
-        if stop == start:
-            continue
-        r = min(128, stop - start)
-        nt = (stop - start) // r
-        offsets, size = f.tile_layout(r, kp)
-        tiles = data[pos:pos + nt * size].view(nt, size)
-        pos += nt * size
-        sizes = f.plane_sizes(r, kp)
+    kp = align_up(k, K_ALIGN)
+    for st in f.tile_stacks(n, kp):
+        planes = st.planes(data)
         if kp != k:                                                 # pad lanes: code 0
-            codes = tiles[:, offsets[0]:offsets[0] + sizes[0]].view(nt, r, -1)
-            per_lane = codes.shape[-1] / kp
-            codes[:, :, math.ceil(k * per_lane):] = 0
-            if fmt in ("q5", "q6"):
-                high = tiles[:, offsets[1]:offsets[1] + sizes[1]].view(nt, r, -1)
-                high[:, :, math.ceil(k * high.shape[-1] / kp):] = 0
-        so, ss = offsets[-1], sizes[-1]
+            for plane in planes[:1 + (fmt in ("q5", "q6"))]:        # codes, and the high bits of q5/q6
+                lanes = plane.view(st.tiles, st.rows, -1)
+                lanes[:, :, math.ceil(k * lanes.shape[-1] / kp):] = 0
+        scales = planes[-1]
         if fmt == "fp8":      # E4M3 codes are ~uniform in magnitude up to 448: scale to std
-            s = torch.full((nt, ss // 4), std / 100.0, dtype=torch.float32, device=device)
+            s = torch.full((st.tiles, scales.shape[1] // 4), std / 100.0, dtype=torch.float32, device=device)
         else:                 # uniform integer codes in [-qmax, qmax] have deviation ~qmax / sqrt(3)
-            s = torch.full((nt, ss // 2), std * math.sqrt(3) / f.qmax, dtype=torch.float16, device=device)
-        tiles[:, so:so + ss] = s.view(torch.uint8).view(nt, ss)
+            s = torch.full((st.tiles, scales.shape[1] // 2), std * math.sqrt(3) / f.qmax, dtype=torch.float16,
+                           device=device)
+        scales[:] = s.view(torch.uint8).view(st.tiles, -1)
     return PackedWeight(data, fmt, tuple(shape))
 
 
@@ -104,9 +94,3 @@ def weights_nbytes(weights: dict) -> int:
     """Device bytes the loaded weights hold (packed ones at their packed size)."""
     return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in weights.values())
 
-
-def dequant_scratch_bytes(weights: dict) -> int:
-    """The largest bf16 scratch a prefill may decode a packed matrix into (models/blocks.py linear)."""
-    from .models.blocks import DEQUANT_MAX_BYTES
-    sizes = [2 * w.matrix[0] * w.matrix[1] for w in weights.values() if isinstance(w, PackedWeight)]
-    return max([s for s in sizes if s <= DEQUANT_MAX_BYTES], default=0)

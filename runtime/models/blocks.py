@@ -39,6 +39,12 @@ DEQUANT_MIN_T = 256
 DEQUANT_MAX_BYTES = 512 << 20
 
 
+def dequant_scratch_bytes(weights: dict) -> int:
+    """The largest bf16 scratch a prefill decodes a packed matrix into (linear below): memory planning keeps it free."""
+    sizes = [2 * w.matrix[0] * w.matrix[1] for w in weights.values() if isinstance(w, PackedWeight)]
+    return max([s for s in sizes if s <= DEQUANT_MAX_BYTES], default=0)
+
+
 def linear(be, x, w):
     """y = x·wᵀ; a packed weight goes to its format's op (linear_q4, ...), which dequantizes on the fly."""
     if isinstance(w, PackedWeight):

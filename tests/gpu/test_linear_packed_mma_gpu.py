@@ -147,18 +147,24 @@ def u32s(buf: np.ndarray) -> list[int]:
     return [int(v) for v in np.ascontiguousarray(buf).view("<u4")]
 
 
-def emulate_block_ktile(lay: Layout, w: np.ndarray, N: int, K: int, n0: int, kt: int):
-    """One block's load_stage(kt) + decode_item(kt, *) -> (bd [bn*bk] bf16 bits, sc [gpt*bn] f32, row scale ptr)."""
+def block_rows(lay: Layout, N: int, K: int, n0: int, bn: int):
+    """The kernel's address arithmetic for a block's rows n0..: (row in its 128-row packed tile, rows in the
+    block, bytes per row of the code / high-bit / scale planes, those planes' offsets in w)."""
     R = (K + 127) >> 7
     pt, i0 = n0 >> 7, n0 & 127
-    tile_r = min(128, N - (pt << 7))
-    nrows = min(lay.bn, N - n0)
+    tile_r, nrows = min(128, N - (pt << 7)), min(bn, N - n0)
     code_row, high_row = R * lay.code_row, R * lay.high_row
     scale_row = 4 if lay.fp8 else R * lay.scale_row
     full_tile = a256(128 * code_row) + (a256(128 * high_row) if lay.high else 0) + a256(128 * scale_row)
     pC = pt * full_tile
     pH = pC + a256(tile_r * code_row)
     pS = pH + (a256(tile_r * high_row) if lay.high else 0)
+    return i0, nrows, code_row, high_row, scale_row, pC, pH, pS
+
+
+def emulate_block_ktile(lay: Layout, w: np.ndarray, N: int, K: int, n0: int, kt: int):
+    """One block's load_stage(kt) + decode_item(kt, *) -> (bd [bn*bk] bf16 bits, sc [gpt*bn] f32, row scale ptr)."""
+    i0, nrows, code_row, high_row, scale_row, pC, pH, pS = block_rows(lay, N, K, n0, lay.bn)
 
     def copy(raw, dst, src, size, row_lo, row_len):
         assert src % size == 0 and dst % size == 0, "cp.async alignment"
@@ -455,15 +461,7 @@ def emulate_kernel(fmt: str, tile: dict, x: np.ndarray, w: np.ndarray, T: int, N
         m0, n0 = tile_m * BM, tile_n * BN
         sm = Smem(lay.smem, mode)
 
-        R = (K + 127) >> 7
-        pt, i0 = n0 >> 7, n0 & 127
-        tile_r, nrows = min(128, N - (pt << 7)), min(BN, N - n0)
-        code_row, high_row = R * lay.code_row, R * lay.high_row
-        scale_row = 4 if lay.fp8 else R * lay.scale_row
-        full_tile = a256(128 * code_row) + (a256(128 * high_row) if lay.high else 0) + a256(128 * scale_row)
-        pC = pt * full_tile
-        pH = pC + a256(tile_r * code_row)
-        pS = pH + (a256(tile_r * high_row) if lay.high else 0)
+        i0, nrows, code_row, high_row, scale_row, pC, pH, pS = block_rows(lay, N, K, n0, BN)
         ktiles = -(-K // BK)
 
         def gsrc(addr, size, lo, row_len):
