@@ -10,7 +10,6 @@ interrupted run leaves the previous table as it was.
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import re
 import shutil
