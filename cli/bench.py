@@ -30,7 +30,9 @@ CASES = [
     ("linear_q4", {"N": 248320, "K": 5120}, [1]),
     *((f"linear_{f}", {"N": 17408, "K": 5120}, [1, 4096]) for f in ("q5", "q6", "w8", "fp8")),
     ("gdn_delta_rule", {"HV": 48, "DK": 128, "DV": 128}, [1, 8, 31, 32, 1024]),   # one sequence of T tokens
+    ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 2, 4, 8]),   # T sequences at ATTN_CONTEXT
 ]
+ATTN_CONTEXT = 8192
 GDN_K_HEADS = 16
 L2_BYTES = 60 << 20
 
@@ -101,6 +103,8 @@ def _make(torch, contract, dtype, dims, rng, op=""):
 
     if op == "gdn_delta_rule":
         return _make_gdn(torch, dims, rng)
+    if op == "paged_attention":
+        return _make_attention(torch, dims, rng)
     packed = op.split("_", 1)[1] if op.startswith("linear_") else None
     if packed:
         dims["WB"] = nbytes(packed, (dims["N"], dims["K"]))
@@ -139,7 +143,21 @@ def _make_gdn(torch, dims, rng):
             "o": torch.empty(T, hv, dv, device=dev, dtype=torch.bfloat16)}
 
 
-OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}}
+def _make_attention(torch, dims, rng):
+    """A decode step: T sequences of ATTN_CONTEXT tokens each, one query token per sequence, every page of
+    the cache belonging to one of them (so the cache's bytes are the bytes the step must read)."""
+    T, nh, nkv, d, bs = dims["T"], dims["NH"], dims["NKV"], dims["D"], dims["BS"]
+    mb = ATTN_CONTEXT // bs
+    dev = "cuda"
+    cache = lambda: torch.randn(T * mb, bs, nkv, d, device=dev, generator=rng).bfloat16()  # noqa: E731
+    return {"q": torch.randn(T, nh, d, device=dev, generator=rng).bfloat16(), "k_cache": cache(), "v_cache": cache(),
+            "block_table": torch.randperm(T * mb, device=dev, generator=rng).int().view(T, mb),
+            "token_seq": torch.arange(T, dtype=torch.int32, device=dev),
+            "positions": torch.full((T,), ATTN_CONTEXT - 1, dtype=torch.int32, device=dev),
+            "o": torch.empty(T, nh, d, device=dev, dtype=torch.bfloat16)}
+
+
+OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5}}
 
 
 def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:

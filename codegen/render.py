@@ -124,7 +124,9 @@ def build_manifest_and_sources(specs: SpecSet, templates: Path) -> tuple[dict, d
                             "dtype": dtype, "symbol": symbol, "source": rel, "template": route.template,
                             "spec": route.file, "source_sha256": hashlib.sha256(text.encode()).hexdigest(),
                             "args": low["args"], "grid": low["grid"], "block": low["block"], "smem": low["smem"],
-                            "constraints": low["constraints"], "line_map": line_map}
+                            "constraints": low["constraints"], "line_map": line_map,
+                            # launched with programmatic stream serialization on sm_90+ (_pdl.cuh.j2)
+                            "pdl": "nf_pdl_enter();" in text}
     tables = _tables(specs.tables)
     tuned = {gpu: {"arch": arch, "tables": _tables(ts)[arch]} for gpu, (arch, ts) in sorted(specs.tuned.items()) if ts}
     ops = {name: {"summary": op.doc["summary"], "formula": op.doc["formula"], "dims": list(op.dims),

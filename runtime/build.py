@@ -36,7 +36,9 @@ def _compile(kernel: dict):
 @click.option("--archs", default="", help="comma-separated archs to build (default: all in the manifest)")
 @click.option("--ops", default="", help="comma-separated ops to build (default: all)")
 @click.option("--jobs", type=int, default=0, help="parallel compiles (default: by cores and free memory)")
-def main(archs: str, ops: str, jobs: int) -> None:
+@click.option("--prune", is_flag=True, help="afterwards, delete cached cubins of the built archs that the manifest "
+              "no longer names (stale sources)")
+def main(archs: str, ops: str, jobs: int, prune: bool) -> None:
     try:
         manifest = Manifest.load()
     except ManifestError as e:
@@ -77,7 +79,19 @@ def main(archs: str, ops: str, jobs: int) -> None:
         click.echo("", err=True)
     click.echo(f"build: {compiled} compiled, {cached} cached, {len(failures)} failed "
                f"in {time.perf_counter() - t0:.1f} s ({jobs} jobs)")
+    if prune and not failures:
+        _prune(manifest, wanted or known)
     sys.exit(1 if failures else 0)
+
+
+def _prune(manifest: Manifest, archs: set) -> None:
+    from .cubins import cache_path
+    from .paths import cache_dir
+    keep = {cache_path(k.data) for k in manifest.kernels.values()}
+    stale = [p for a in sorted(archs) for p in sorted((cache_dir() / a).glob("*.cubin")) if p not in keep]
+    for p in stale:
+        p.unlink()
+    click.echo(f"prune: removed {len(stale)} stale cubins")
 
 
 if __name__ == "__main__":

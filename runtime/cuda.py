@@ -111,22 +111,44 @@ def encode_tmap_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int,
 
 
 class Launch:
-    """One kernel launch with its arguments packed once: calling it only issues cuLaunchKernel.
+    """One kernel launch with its arguments packed once: calling it only issues the launch.
 
-    Holds no tensors: the caller keeps the buffers alive (and fixed, when the launch is graph-captured)."""
+    With pdl (a kernel that calls nf_pdl_enter(), on sm_90+) the launch allows programmatic stream
+    serialization: the kernel may be scheduled while the previous one in the stream still runs, and waits
+    for it inside (codegen/templates/_pdl.cuh.j2). Holds no tensors: the caller keeps the buffers alive (and
+    fixed, when the launch is graph-captured)."""
 
-    def __init__(self, module: Module, grid, block, smem: int, values: list):
+    def __init__(self, module: Module, grid, block, smem: int, values: list, pdl: bool = False):
         self.function, self.grid, self.block, self.smem = module.function, grid, block, smem
         self._values = values  # ctypes objects; their addresses are what the kernel reads
         self._params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         self._params_addr = ctypes.addressof(self._params)
+        self._config = _pdl_config(grid, block, smem) if pdl else None
 
     def __call__(self, stream_handle: int | None = None) -> None:
         from cuda.bindings import driver
         if stream_handle is None:
             import torch
             stream_handle = torch.cuda.current_stream().cuda_stream
-        err, = driver.cuLaunchKernel(self.function, *self.grid, *self.block, self.smem, _stream(stream_handle),
-                                     self._params_addr, 0)
+        if self._config is not None:
+            self._config.hStream = _stream(stream_handle)
+            err, = driver.cuLaunchKernelEx(self._config, self.function, self._params_addr, 0)
+        else:
+            err, = driver.cuLaunchKernel(self.function, *self.grid, *self.block, self.smem, _stream(stream_handle),
+                                         self._params_addr, 0)
         if err != driver.CUresult.CUDA_SUCCESS:
-            check((err,), "cuLaunchKernel")
+            check((err,), "cuLaunchKernelEx" if self._config is not None else "cuLaunchKernel")
+
+
+def _pdl_config(grid, block, smem: int):
+    from cuda.bindings import driver
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+    cfg.sharedMemBytes = smem
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
+import os
 from collections import OrderedDict
 from typing import Callable
 
@@ -118,6 +119,8 @@ class CudaBackend(Backend):
                   f"{self.device.name} ({self.device.arch}): using the default tables", file=sys.stderr)
 
     PLAN_CACHE = 8192
+    # programmatic dependent launch for kernels that support it (sm_90+); NINFER_PDL=0 turns it off (A/B runs)
+    pdl = os.environ.get("NINFER_PDL", "1") != "0"
     # set to a list to record (op, route instance, dims, start, end) CUDA events of every run() (eager calls;
     # graph replays are not seen): `ninfer-bench model --profile` reads it
     profile: list | None = None
@@ -204,7 +207,8 @@ class CudaBackend(Backend):
                 values.append(ctypes.c_int32(params[a]))
         grid = tuple(int(evaluate(g, env)) for g in kernel.grid)
         block = tuple(int(evaluate(b, env)) for b in kernel.block)
-        launch = Launch(self.module(kernel), grid, block, int(evaluate(kernel.smem, env)), values)
+        pdl = self.pdl and kernel.data.get("pdl", False) and self.device.cc >= 90
+        launch = Launch(self.module(kernel), grid, block, int(evaluate(kernel.smem, env)), values, pdl)
         launch.kernel, launch.dims = kernel, dims
         return launch
 

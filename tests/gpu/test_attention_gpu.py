@@ -18,6 +18,8 @@ pytestmark = pytest.mark.gpu
 REAL_27B = (24, 4, 256, 16)
 REAL_35B = (16, 2, 256, 16)
 TINY = (4, 2, 64, 16)
+PAGE32 = (24, 4, 256, 32)   # two 16-key chunks per page
+PAGE5 = (6, 2, 128, 5)      # pages that do not hold whole 16-key chunks (the shuffled-slot load path)
 ATTN_PROBLEMS = [REAL_27B, REAL_35B, TINY, (12, 3, 128, 8), (6, 1, 64, 32), (16, 2, 64, 64), (8, 8, 256, 16)]
 
 
@@ -193,11 +195,18 @@ ROUTE_SCENARIOS = {
 
 
 def route_cases():
+    """Every route instance on every problem its constraints admit (e.g. decode_cluster_dfix: D == 256 only)."""
+    from ninfer.runtime.cuda import device, gpu_available
+    from ninfer.runtime.manifest import Manifest, evaluate
+    if not gpu_available():
+        return []
+    kernels = {k.instance: k for k in Manifest.load().kernels.values() if k.op == "paged_attention" and k.arch == device().arch}
     out = []
-    for inst in _instances("paged_attention"):
-        for problem in (REAL_27B, REAL_35B, TINY):
-            for name in ROUTE_SCENARIOS:
-                out.append((inst, problem, name))
+    for inst in sorted(kernels):
+        for problem in (REAL_27B, REAL_35B, TINY, PAGE32, PAGE5):
+            env = dict(zip(("NH", "NKV", "D", "BS"), problem), T=1)
+            if all(evaluate(c, env) for c in kernels[inst].constraints):
+                out.extend((inst, problem, name) for name in ROUTE_SCENARIOS)
     return out
 
 
@@ -207,7 +216,7 @@ def test_paged_attention_every_route(be, ref, route, problem, scenario):
     assert check_attention(be, ref, problem, seqs, seed=len(scenario) + problem[0], route=route) == route
 
 
-@pytest.mark.parametrize("problem", [REAL_27B, REAL_35B, TINY], ids=str)
+@pytest.mark.parametrize("problem", [REAL_27B, REAL_35B, TINY, PAGE32, PAGE5], ids=str)
 @pytest.mark.parametrize("seqs", [
     [(16, 1), (17, 1), (32, 1), (33, 1), (1, 1)],                # positions on both sides of page boundaries
     [(4000, 1), (3001, 1), (2048, 2), (4096, 3)],               # contexts of a few thousand tokens

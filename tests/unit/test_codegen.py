@@ -68,3 +68,15 @@ def test_line_map_points_into_templates(spec_tree, tmp_path):
                 assert src == t, (start + i, src, t)
                 checked += 1
     assert checked > 20
+
+
+def test_every_kernel_enters_through_pdl(spec_tree, tmp_path):
+    """The runtime launches a kernel with programmatic dependent launch only when its manifest entry says
+    pdl; every template's kernel must wait for its predecessor (nf_pdl_enter) before it reads or writes."""
+    out = tmp_path / "gen"
+    m = generate(*spec_tree, out)
+    for key, k in m["kernels"].items():
+        src = (out / k["source"]).read_text()
+        assert k["pdl"] is True, key
+        # one wait per kernel
+        assert src.count("nf_pdl_enter();") == src.count('extern "C" __global__'), key
