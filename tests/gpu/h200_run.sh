@@ -3,7 +3,7 @@
 # The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
-#   STAGES="tests bench-ops bench-27b bench-35b serve-load" (default: tests bench-27b bench-35b)
+#   STAGES="tests tune bench-ops bench-27b bench-35b serve-load" (default: tests bench-27b bench-35b)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), BENCH_OPS="linear_q4 ..." (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
@@ -27,6 +27,9 @@ run_tests() {  # each file in its own process: a faulting kernel must not hide t
 for stage in $STAGES; do
   case $stage in
     tests) run_tests ;;
+    tune)  # ninfer-tune, then regenerate so the later stages run on the new tables; the file comes back in the logs
+      timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.tune ${TUNE:---shape qwen3.6-27b --weights q4 --op linear_q4} > "$OUT/tune.log" 2>&1
+      tail -3 "$OUT/tune.log"; cp specs/tuned/*.yaml "$OUT/"; $PY -m ninfer.codegen > /dev/null ;;
     bench-ops) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench ops $(for o in ${BENCH_OPS:-}; do echo --op $o; done) --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
     bench-27b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b ${BENCH27:-} --json "$OUT/bench-27b.json" 2>&1 | tee "$OUT/bench-27b.log" ;;
     bench-27b-bf16) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b --weights bf16 ${BENCH27_BF16:-} --json "$OUT/bench-27b-bf16.json" 2>&1 | tee "$OUT/bench-27b-bf16.log" ;;
