@@ -14,6 +14,8 @@ import sys
 
 import click
 
+from ninfer.cli.bench_serve import serve_cmd
+
 # (op, problem dims, T values) at the Qwen3.6-27B shapes (hidden 5120, MLP 17408, 24x256 q+gate heads).
 CASES = [
     ("linear", {"N": 17408, "K": 5120}, [1, 2, 4, 8, 16, 64, 128, 512, 2048, 4096]),
@@ -231,7 +233,7 @@ def ops_cmd(ops, reps, json_out) -> None:
     bench_ops(ops, reps, json_out)
 
 
-def _model_figures(cfg, n_prompt_tokens: int, fmt: str = "bf16") -> dict:
+def model_figures(cfg, n_prompt_tokens: int, fmt: str = "bf16") -> dict:
     """FLOPs per prompt token (weights + causal attention at this length) and decode bytes per step."""
     from ninfer.runtime.synthetic import weight_bytes, weight_shapes
     shapes, nbytes = weight_shapes(cfg), weight_bytes(cfg, fmt)
@@ -249,6 +251,14 @@ def _model_figures(cfg, n_prompt_tokens: int, fmt: str = "bf16") -> dict:
                                        // max(cfg.experts * sum(cfg.moe_layers), 1),
             "kv_bytes_per_token": 2 * attn_layers * cfg.kv_heads * cfg.head_dim * 2,
             "gdn_state_bytes": (cfg.layers - attn_layers) * cfg.v_heads * cfg.k_dim * cfg.v_dim * 4}
+
+
+def decode_step_bytes(cfg, fig: dict, c: int, context: int) -> int:
+    """Fewest bytes one decode step of c sequences at this context must read: the dense weights, the experts
+    the c tokens choose (at most all of them) in every MoE layer, each sequence's KV cache and GDN state."""
+    chosen = min(cfg.experts, c * cfg.experts_per_token) if cfg.experts else 0
+    return (fig["dense_bytes"] + chosen * fig["expert_bytes_per_choice"] * sum(cfg.moe_layers)
+            + c * (context * fig["kv_bytes_per_token"] + 2 * fig["gdn_state_bytes"]))
 
 
 def _profile_table(torch, events: list, title: str, copy_gbs: float, gemm_tflops: float) -> None:
@@ -333,7 +343,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             secs = time.perf_counter() - t0
         finally:
             eng.release(seq)
-        fig = _model_figures(cfg, n // 2, fmt)
+        fig = model_figures(cfg, n // 2, fmt)
         tps = n / secs
         frac = tps * fig["flops_per_token"] / (gemm_tflops * 1e12)
         rows.append({"kind": "prefill", "tokens": n, "tok_s": tps, "ttft_s": secs, "peak_frac": frac})
@@ -369,11 +379,9 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             torch.cuda.synchronize()
             n_steps = steps // len(concurrency)
             secs = (time.perf_counter() - t0) / n_steps
-            fig = _model_figures(cfg, decode_prompt, fmt)
+            fig = model_figures(cfg, decode_prompt, fmt)
             ctx_now = len(live[0].tokens)
-            chosen = min(cfg.experts, c * cfg.experts_per_token) if cfg.experts else 0
-            nbytes = (fig["dense_bytes"] + chosen * fig["expert_bytes_per_choice"] * sum(cfg.moe_layers)
-                      + c * (ctx_now * fig["kv_bytes_per_token"] + 2 * fig["gdn_state_bytes"]))
+            nbytes = decode_step_bytes(cfg, fig, c, ctx_now)
             tps = c / secs
             frac = (nbytes / secs) / (copy_gbs * 1e9)
             rows.append({"kind": "decode", "concurrency": c, "context": ctx_now, "tok_s": tps,
@@ -411,6 +419,8 @@ def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, j
     bench_model(shape, [int(x) for x in prompts.split(",")], [int(x) for x in concurrency.split(",")],
                 decode_prompt, steps, json_out, fmt, profile)
 
+
+main.add_command(serve_cmd)   # `ninfer-bench serve` (cli/bench_serve.py)
 
 if __name__ == "__main__":
     main()

@@ -84,3 +84,74 @@ def weight_bytes(cfg: HybridConfig, fmt: str = "bf16") -> dict[str, int]:
     from .formats import get_format
     return {name: get_format(fmt).nbytes(shape) if fmt != "bf16" and name.endswith(QUANT_SUFFIXES)
             else 2 * math.prod(shape) for name, shape in weight_shapes(cfg).items()}
+
+
+def hf_config(cfg: HybridConfig) -> dict:
+    """The config.json (transformers' qwen3_5_text / qwen3_5_moe_text) of a checkpoint with these shapes:
+    models.config.parse_config reads it back to `cfg`, and transformers builds the same model from it (the
+    serving benchmark's peer)."""
+    if cfg.family not in ("qwen3_5", "qwen3_5_moe"):
+        raise ValueError(f"hf_config: family {cfg.family!r} (supported: qwen3_5, qwen3_5_moe)")
+    pairs = cfg.rotary_dim // 2          # MRoPE sections split the rotary frequencies 3 ways (text: all equal)
+    d = {"model_type": f"{cfg.family}_text", "architectures": ["Qwen3_5ForCausalLM" if cfg.family == "qwen3_5"
+                                                               else "Qwen3_5MoeForCausalLM"],
+         "vocab_size": cfg.vocab, "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers,
+         "layer_types": list(cfg.layer_types), "num_attention_heads": cfg.heads,
+         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+         "linear_num_key_heads": cfg.k_heads, "linear_num_value_heads": cfg.v_heads,
+         "linear_key_head_dim": cfg.k_dim, "linear_value_head_dim": cfg.v_dim,
+         "linear_conv_kernel_dim": cfg.conv_width, "rms_norm_eps": cfg.eps,
+         "max_position_embeddings": cfg.max_position, "tie_word_embeddings": cfg.tied_embeddings,
+         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                             "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim,
+                             "mrope_section": [pairs - 2 * (pairs // 3), pairs // 3, pairs // 3],
+                             "mrope_interleaved": True},
+         "bos_token_id": None, "eos_token_id": 248046, "pad_token_id": 248044}
+    if cfg.family == "qwen3_5":
+        d["intermediate_size"] = cfg.intermediate
+    else:
+        d |= {"num_experts": cfg.experts, "num_experts_per_tok": cfg.experts_per_token,
+              "moe_intermediate_size": cfg.expert_intermediate,
+              "shared_expert_intermediate_size": cfg.shared_intermediate}
+    return d
+
+
+def _role(name: str) -> str:
+    if name in ("embed", "lm_head", "norm"):
+        return name
+    tail = name.split(".", 2)[-1]                       # layers.N.<tail>
+    return {"gdn.A_log": "gdn_A_log", "gdn.dt_bias": "gdn_dt_bias"}.get(tail, tail.replace(".", "_"))
+
+
+def write_artifact(cfg: HybridConfig, fmt: str, path, resources: dict[str, bytes], device, seed: int = 0) -> int:
+    """A .ninfer with random weights at cfg's shapes (random_weights: packed bytes in `fmt` for the quantizable
+    matrices) and the given resources, plus config.json from hf_config. Written atomically, tensor by tensor
+    (each made on `device`, then copied out). Returns the file's size."""
+    import json
+
+    from .artifact_writer import ArtifactWriter, TensorSpec
+    from .weights import random_packed
+    shapes = weight_shapes(cfg)
+    g = torch.Generator(device=device).manual_seed(seed)
+    resources = {**resources, "config.json": json.dumps(hf_config(cfg), indent=1).encode()}
+
+    def fmt_of(name):
+        if fmt != "bf16" and name.endswith(QUANT_SUFFIXES):
+            return fmt
+        return "fp32" if name.endswith(("A_log", "dt_bias")) else "bf16"
+
+    specs = [TensorSpec(n, tuple(s), fmt_of(n), _role(n)) for n, s in shapes.items()]
+    with ArtifactWriter(path, cfg.family, specs, [(k, len(v)) for k, v in resources.items()]) as w:
+        for spec in specs:
+            shape = shapes[spec.name]
+            if spec.format not in ("bf16", "fp32"):
+                t = random_packed(spec.format, shape, device, g, 1.0 / shape[-1] ** 0.5).data
+            elif spec.format == "fp32":
+                t = torch.rand(shape, generator=g, device=device, dtype=torch.float32) - 0.5
+            else:
+                scale = 0.1 if "norm" in spec.name else 1.0 / max(shape[-1], 1) ** 0.5
+                t = torch.empty(shape, device=device, dtype=torch.bfloat16).normal_(0.0, scale, generator=g)
+            w.add_tensor(spec.name, [t.contiguous().view(torch.uint8).cpu().numpy().reshape(-1)])
+        for k, v in resources.items():
+            w.add_resource(k, v)
+        return w.total_bytes

@@ -19,6 +19,13 @@ def spec_tree(tmp_path):
     return specs, templates
 
 
+@pytest.fixture(scope="session")
+def demo_artifact():
+    """The embedded demo model (built once, cached under build/demo)."""
+    from ninfer.cli.serve import demo_artifact as build
+    return build()
+
+
 def pytest_collection_modifyitems(config, items):
     from ninfer.runtime.cuda import gpu_available
     if gpu_available():

@@ -3,7 +3,7 @@
 # The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
-#   STAGES="tests tune bench-ops bench-27b bench-35b serve-load" (default: tests bench-27b bench-35b)
+#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load" (default: tests bench-27b bench-35b)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), BENCH_OPS="linear_q4 ..." (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
@@ -33,6 +33,7 @@ for stage in $STAGES; do
     bench-ops) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench ops $(for o in ${BENCH_OPS:-}; do echo --op $o; done) --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
     bench-27b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b ${BENCH27:-} --json "$OUT/bench-27b.json" 2>&1 | tee "$OUT/bench-27b.log" ;;
     bench-27b-bf16) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b --weights bf16 ${BENCH27_BF16:-} --json "$OUT/bench-27b-bf16.json" 2>&1 | tee "$OUT/bench-27b-bf16.log" ;;
+    bench-serve) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench serve --resources-from .carry/demo/demo.ninfer --workdir /tmp/ninfer-bench ${BENCH_SERVE:-} --json "$OUT/bench-serve.json" 2>"$OUT/bench-serve.err" | tee "$OUT/bench-serve.log"; tail -5 "$OUT/bench-serve.err" ;;
     serve-load) timeout 300 $PY tests/gpu/serve_load.py .carry/demo/demo.ninfer --clients 8 --max-tokens 256 2>&1 | tee "$OUT/serve-load.log" | tail -16 ;;
     bench-35b-bf16) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b --weights bf16 ${BENCH35_BF16:-} --json "$OUT/bench-35b-bf16.json" 2>&1 | tee "$OUT/bench-35b-bf16.log" ;;
     bench-35b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b ${BENCH35:-} --json "$OUT/bench-35b.json" 2>&1 | tee "$OUT/bench-35b.log" ;;

@@ -87,12 +87,6 @@ class LiveServer:
 
 
 @pytest.fixture(scope="session")
-def demo_artifact():
-    from ninfer.cli.serve import demo_artifact as build
-    return build()
-
-
-@pytest.fixture(scope="session")
 def server(demo_artifact):
     """The main server: 8 lanes, small prefill chunks (long prompts interleave with decode steps)."""
     s = LiveServer(demo_artifact, max_concurrency=8, max_context=1024, prefill_chunk=64, max_pending=64,
