@@ -224,7 +224,7 @@ def run_peer(hf_conf: dict, prompts: list[int], concurrency: list[int], decode_p
             return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
 
     out = {"name": name, "prefill": [], "decode": []}
-    gen(1, 16, 2)   # warm-up
+    gen(1, prompts[0], 2)   # warm-up at the first prompt length (first-call library and allocator costs)
     for n in prompts:
         def pre(n=n):
             secs = gen(1, n, 1)
@@ -272,7 +272,7 @@ def ratios(ours: dict, peer: dict) -> dict:
 
 def table(result: dict) -> str:
     ours, peer, rat = result["ninfer"], result.get("peer"), result.get("ratios")
-    head = f"{'':<22}{'ninfer':>22}" + (f"{peer['name']:>36}{'ratio':>9}" if peer else "")
+    head = f"{'':<22}{'ninfer':>22}" + (f"{peer['name']:>37}{'ratio':>9}" if peer else "")
     lines = [head]
 
     def cell(r, key, frac):
@@ -287,14 +287,14 @@ def table(result: dict) -> str:
         for label, key in ((f"prefill {r['prompt_tokens']} tok/s", "tok_s"), (f"TTFT {r['prompt_tokens']}", "ttft_s")):
             line = f"{label:<22}{cell(r, key, 'peak_frac'):>22}"
             if p is not None:
-                line += f"{cell(p, key, 'peak_frac'):>36}" + (f"{x:>8.1f}x" if key == "tok_s" and x else "")
+                line += f"{cell(p, key, 'peak_frac'):>37}" + (f"{x:>8.1f}x" if key == "tok_s" and x else "")
             lines.append(line)
     for i, r in enumerate(ours["decode"]):
         p = peer["decode"][i] if peer else None
         x = rat["decode"][i] if rat else None
         line = f"{'decode C=%d tok/s' % r['concurrency']:<22}{cell(r, 'tok_s', 'bw_frac'):>22}"
         if p is not None:
-            line += f"{cell(p, 'tok_s', 'bw_frac'):>36}" + (f"{x:>8.1f}x" if x else "")
+            line += f"{cell(p, 'tok_s', 'bw_frac'):>37}" + (f"{x:>8.1f}x" if x else "")
         lines.append(line)
     return "\n".join(lines)
 
