@@ -42,17 +42,47 @@ def gpu_slug(name: str) -> str:
 
 
 def model_problems(shape: str, fmt: str) -> list[tuple[str, dict]]:
-    """(op, {N, K}) of every projection the model file runs through a linear op."""
+    """(op, {N, K}) of every projection the model file runs through a linear op, at a model shape with the
+    quantizable matrices in `fmt`."""
     from ninfer.runtime.synthetic import QUANT_SUFFIXES, SHAPES, weight_shapes
     cfg = SHAPES[shape]
+    stored = {name: (s, fmt if fmt != "bf16" and name.endswith(QUANT_SUFFIXES) else "bf16")
+              for name, s in weight_shapes(cfg).items()}
+    return linear_problems(cfg, stored)
+
+
+def artifact_problems(path) -> list[tuple[str, dict]]:
+    """(op, {N, K}) of an artifact's linear projections, each in the format it is stored in."""
+    from ninfer.runtime.artifact import open_artifact
+    from ninfer.runtime.models.config import parse_config
+    art = open_artifact(path)
+    try:
+        cfg = parse_config(art.resource("config.json"))
+        stored = {name: (tuple(e.shape), e.format) for name, e in art.tensors.items()
+                  if not set(e.flags) & {"mtp", "visual"}}
+    finally:
+        art.close()
+    return linear_problems(cfg, stored)
+
+
+def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
+    """stored: tensor name -> (shape, format). A packed matrix runs linear_<format> (decode) and, from
+    DEQUANT_MIN_T tokens on, the bf16 `linear` over its decoded copy (prefill); a float one runs `linear`.
+    A tied lm_head is the embedding table; GDN b|a is one bf16 projection (models/blocks.py)."""
+    from ninfer.runtime.models.blocks import DEQUANT_MAX_BYTES
+    from ninfer.runtime.reference_quant import PACKED
     out = set()
-    for name, s in weight_shapes(cfg).items():
+    if "lm_head" not in stored and cfg.tied_embeddings:
+        stored = {**stored, "lm_head": stored["embed"]}
+    for name, (s, fmt) in stored.items():
         if len(s) != 2 or name == "embed" or name.endswith(("router", "conv", "in_b", "in_a")):
             continue     # not run through a linear op (embedding, moe_router, gdn_conv) or fused (b|a)
-        op = f"linear_{fmt}" if fmt != "bf16" and name.endswith(QUANT_SUFFIXES) else "linear"
-        out.add((op, s[0], s[1]))
+        if fmt in PACKED:
+            out.add((f"linear_{fmt}", s[0], s[1]))
+        if fmt not in PACKED or 2 * s[0] * s[1] <= DEQUANT_MAX_BYTES:
+            out.add(("linear", s[0], s[1]))
     if not all(cfg.is_attention(i) for i in range(cfg.layers)):
-        out.add(("linear", 2 * cfg.v_heads, cfg.hidden))      # the GDN b|a projection (models/blocks.py)
+        out.add(("linear", 2 * cfg.v_heads, cfg.hidden))
     return [(op, {"N": n, "K": k}) for op, n, k in sorted(out)]
 
 
@@ -129,6 +159,8 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
 
 
 @click.command()
+@click.option("--artifact", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="tune the linear problems of this artifact, each in its stored format (instead of --shape/--weights)")
 @click.option("--shape", type=click.Choice(["qwen3.6-27b", "qwen3.6-35b-a3b"]), default="qwen3.6-27b", show_default=True,
               help="the model whose linear problems are tuned")
 @click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8"]), default="bf16",
@@ -138,7 +170,7 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
 @click.option("--reps", default=10, show_default=True)
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
               help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
-def main(shape, fmt, ops, grid, reps, specs_dir) -> None:
+def main(artifact, shape, fmt, ops, grid, reps, specs_dir) -> None:
     """Time every route of every linear problem of a model on this GPU; write specs/tuned/<gpu>.yaml."""
     from ninfer.runtime.cuda import gpu_available
     from ninfer.runtime.paths import ROOT
@@ -152,16 +184,21 @@ def main(shape, fmt, ops, grid, reps, specs_dir) -> None:
         raise click.BadParameter("expected comma-separated T values increasing from 1", param_hint="--grid") from None
     from ninfer.runtime.dispatch import CudaBackend
     be = CudaBackend()
-    problems = [(op, p) for op, p in model_problems(shape, fmt) if not ops or op in ops]
+    if artifact:
+        source = Path(artifact).name
+        problems = artifact_problems(artifact)
+    else:
+        source, problems = f"{shape} {fmt}", model_problems(shape, fmt)
+    problems = [(op, p) for op, p in problems if not ops or op in ops]
     if not problems:
-        raise click.BadParameter(f"no linear problem of {shape} ({fmt}) uses the ops {', '.join(ops)}", param_hint="--op")
+        raise click.BadParameter(f"no linear problem of {source} uses the ops {', '.join(ops)}", param_hint="--op")
     gpu, arch = be.device.name, be.device.arch
     click.echo(f"# ninfer-tune on {gpu} ({arch}): {len(problems)} problems x {len(ts)} T values", err=True)
     tables = []
     for op, problem in problems:
         winners = measure(be, op, problem, ts, reps, lambda m: click.echo(m, err=True))
         tables.append({"op": op, "problem": problem, "spans": build_spans(ts, winners)})
-    note = f"{datetime.date.today().isoformat()}, {shape} {fmt}, grid {grid}"
+    note = f"{datetime.date.today().isoformat()}, {source}, grid {grid}"
     root = Path(specs_dir) if specs_dir else ROOT / "specs"
     name = f"{gpu_slug(gpu)}.yaml"
     existing = root / "tuned" / name

@@ -3,7 +3,7 @@ valid table is picked on its GPU only, a broken one is refused by name and leave
 was. (The timing itself needs a GPU: it ran on the H200, see specs/tuned/.)"""
 import pytest
 
-from ninfer.cli.tune import build_spans, gpu_slug, model_problems, render, write_validated
+from ninfer.cli.tune import artifact_problems, build_spans, gpu_slug, model_problems, render, write_validated
 from ninfer.codegen.render import build_manifest_and_sources
 from ninfer.codegen.specs import load_specs
 from ninfer.codegen.yamlio import SpecError
@@ -28,6 +28,37 @@ def test_model_problems_are_the_linear_shapes():
     assert ("linear", {"N": 96, "K": 5120}) in got            # the GDN b|a projection runs bf16
     assert all(op in ("linear", "linear_q4") for op, _ in got)
     assert gpu_slug("NVIDIA H200") == "nvidia-h200"
+
+
+def test_problems_include_the_prefill_gemm_of_each_packed_matrix():
+    """A packed matrix is decoded and multiplied by the bf16 `linear` from DEQUANT_MIN_T tokens on (below the
+    scratch cap: the 2.5 GB lm_head stays on its fused route), so that GEMM is a problem too."""
+    got = model_problems("qwen3.6-27b", "q4")
+    assert ("linear", {"N": 34816, "K": 5120}) in got and ("linear_q4", {"N": 34816, "K": 5120}) in got
+    assert ("linear_q4", {"N": 248320, "K": 5120}) in got and ("linear", {"N": 248320, "K": 5120}) not in got
+    shapes = lambda ps: {(p["N"], p["K"]) for _, p in ps}  # noqa: E731
+    bf16 = model_problems("qwen3.6-27b", "bf16")
+    assert {op for op, _ in bf16} == {"linear"} and shapes(bf16) == shapes(got)
+
+
+def test_artifact_problems_follow_each_tensors_stored_format(demo_artifact):
+    """The demo artifact mixes formats as the recipes do (q4, q5, bf16 b/a, a q6 embedding table tied to the
+    lm_head): every packed matrix is tuned in its own format."""
+    from ninfer.runtime.artifact import open_artifact
+    got = artifact_problems(demo_artifact)
+    art = open_artifact(demo_artifact)
+    try:
+        mats = {n: e for n, e in art.tensors.items() if len(e.shape) == 2 and e.format in ("q4", "q5", "q6")
+                and n != "embed"}
+        vocab, hidden = art.tensors["embed"].shape
+        assert "lm_head" not in art.tensors and art.tensors["embed"].format == "q6"
+    finally:
+        art.close()
+    assert {e.format for e in mats.values()} == {"q4", "q5"}
+    for n, e in mats.items():
+        assert (f"linear_{e.format}", {"N": e.shape[0], "K": e.shape[1]}) in got, n
+    assert ("linear_q6", {"N": vocab, "K": hidden}) in got             # the tied lm_head reads the packed table
+    assert {op for op, _ in got} == {"linear", "linear_q4", "linear_q5", "linear_q6"}
 
 
 def tuned_text(spans, op="linear"):
