@@ -67,17 +67,16 @@ def _time(torch, fn, reps: int, warmup: int = 3) -> float:
 def _time_graph(torch, plans, reps: int, launches: int = 20) -> float:
     """Seconds per launch: `launches` launches (cycling through input sets) captured in one CUDA graph and
     replayed, so no host overhead sits between kernels, as in graph-replayed decode."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for p in plans:
-            p()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    from ninfer.runtime.decode_graph import capture
+
+    def launch_all():
         for i in range(launches):
             plans[i % len(plans)]()
-    return _time(torch, graph.replay, reps) / launches
+
+    def warm_each():
+        for p in plans:
+            p()
+    return _time(torch, capture(launch_all, warm_each).replay, reps) / launches
 
 
 def footprint(tensors: dict) -> int:

@@ -239,10 +239,7 @@ def run_peer(hf_conf: dict, prompts: list[int], concurrency: list[int], decode_p
                     "context": decode_prompt + max_tokens // 2}
         out["decode"].append(attempt(dec))
         click.echo(f"# peer decode C={c}: {out['decode'][-1]}", err=True)
-    del model
-    if dev == "cuda":
-        torch.cuda.empty_cache()
-    return out
+    return out   # the model's memory goes with this frame
 
 
 # -- figures -------------------------------------------------------------------------------------

@@ -15,6 +15,20 @@ _INT_FIELDS = ("ids", "positions", "slot_mapping", "state_slots", "top_k", "seed
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency")
 
 
+def capture(fn, warmup=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of fn's launches. warmup (default: fn) runs first on a side stream, as torch requires:
+    modules load and first-call state is allocated outside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (warmup or fn)()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 class _Graph:
     def __init__(self, engine, b: int):
         dev, cache = engine.device, engine.cache
@@ -39,14 +53,7 @@ class _Graph:
         self.f["state_slots"].fill_(cache.max_seqs)
         self.f["temperature"].fill_(0.0)
         self.f["top_p"].fill_(1.0)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._body()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._body()
+        self.graph = capture(self._body)
 
     def _body(self) -> None:
         e, f = self.engine, self.f

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
@@ -340,14 +341,7 @@ def test_gdn_chain_cuda_graph(be):
     step()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before  # the launch path allocates nothing
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     for trial in range(3):
         for t in (x, ba, z):
             t.copy_(randn(g, *t.shape))

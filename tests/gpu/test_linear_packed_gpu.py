@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.formats import encode
 from ninfer.runtime.tolerance import compare
+from tests.gpu.graphs import replay_then_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -169,23 +171,12 @@ def check_graph_capture(be, ref, fmt, route):
     assert is_gemv(plan.kernel.route)
     if route is not None:
         assert plan.kernel.instance == route
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        plan()  # warm-up (module load) outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan()
+    graph = capture(plan)
     outs = []
     for trial in range(2):
         x.copy_(torch.randn(T, K, generator=torch.Generator().manual_seed(100 + trial)).bfloat16())
         y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = y.clone()
-        plan()
-        torch.cuda.synchronize()
+        replayed, = replay_then_eager(graph, plan, y)
         assert torch.equal(replayed, y), f"replay {trial} differs from eager"
         y_ref = torch.empty_like(y)
         ref.run(f"linear_{fmt}", x=x.clone(), w=w.clone(), y=y_ref)

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from ninfer.runtime.contracts import ContractError
+from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
+from tests.gpu.graphs import replay_then_eager
 from tests.ops_cases import boundary_ts
 
 pytestmark = pytest.mark.gpu
@@ -110,14 +112,7 @@ def test_router_in_cuda_graph(be, ref):
         w = (torch.randn(E, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
         logits = nan_like((T, E), torch.float32)
         plan = be.plan("moe_router", x=x, w=w, logits=logits)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            plan()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            plan()
+        graph = capture(plan)
         x.copy_(torch.randn(T, H, device="cuda", generator=g).bfloat16())
         graph.replay()
         torch.cuda.synchronize()
@@ -331,21 +326,10 @@ def test_sparse_moe_chain_in_cuda_graph(be, ref, shape, T):
         for p in chain:
             p()
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     for trial in range(2):
         x.copy_(r(T, H))
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = {k: v.clone() for k, v in bufs.items()}
-        step()
-        torch.cuda.synchronize()
+        replayed = dict(zip(bufs, replay_then_eager(graph, step, *bufs.values())))
         for k in bufs:
             assert torch.equal(replayed[k], bufs[k]), f"replay {trial}: {k} differs from eager"
         # Reference chain on the kernels' own router logits (a summation-order difference could flip a near-tie).

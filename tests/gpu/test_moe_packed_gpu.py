@@ -9,9 +9,11 @@ import torch
 
 from ninfer.runtime import formats
 from ninfer.runtime.contracts import ContractError
+from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.reference_quant import MOE_PAIRS, moe_op
 from ninfer.runtime.tolerance import compare
+from tests.gpu.graphs import replay_then_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -178,14 +180,7 @@ def test_cuda_graph_t1(be, ref, pair, shape):
     ins = inputs(pair, shape, 1, seed=7 + shape["H"])
     y = nan_like((1, shape["H"]))
     plan = be.plan(op, **ins, y=y, E=shape["E"], I=shape["I"])
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        plan()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan()
+    graph = capture(plan)
     g = gen(1234)
     for trial in range(3):
         ins["x"].copy_(torch.randn(1, shape["H"], device="cuda", generator=g).bfloat16())
@@ -193,11 +188,7 @@ def test_cuda_graph_t1(be, ref, pair, shape):
         ins["ids"].copy_(ids)
         ins["weights"].copy_(w)
         y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = y.clone()
-        plan()
-        torch.cuda.synchronize()
+        replayed, = replay_then_eager(graph, plan, y)
         assert torch.equal(replayed, y), f"{op} replay {trial} differs from eager"
         check(be, op, replayed, reference(ref, op, ins, shape), f"{op} {name(shape)} graph replay {trial}")
 

@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from ninfer.runtime.contracts import ContractError
+from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
+from tests.gpu.graphs import replay_then_eager
 from tests.ops_cases import PROBLEMS, boundary_ts, make_inputs, oracle
 
 pytestmark = pytest.mark.gpu
@@ -115,22 +117,11 @@ def test_cuda_graph_capture_and_replay(be):
         step()
     assert torch.cuda.memory_allocated() == before  # the launch path allocates nothing
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # warm-up on the side stream, as torch recommends before capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     assert torch.cuda.memory_allocated() == before  # the launch path allocates nothing
     for trial in range(3):
         ids.copy_(torch.randint(0, V, (T,), device="cuda", dtype=torch.int32, generator=g))
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = h.clone()
-        step()
-        torch.cuda.synchronize()
+        replayed, = replay_then_eager(graph, step, h)
         assert torch.equal(replayed, h), f"replay {trial} differs from eager"
         # The same chain on the reference backend (fp32 math, bf16 buffers at the same points).
         ref_h, ref_xn, ref_gu, ref_act, ref_out = (torch.empty_like(t) for t in (h, xn, gu, act, out))
