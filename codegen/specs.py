@@ -239,11 +239,23 @@ def _lower_route(r: Route, op: Op, tile: dict, file: str, path: str) -> dict:
 
 
 def load_routes(root: Path, file: str, ops: dict[str, Op], archs: dict[str, Arch], templates: Path):
+    """routes/<op>.yaml (`op: <op>`), or one file whose routes and tables serve several ops alike (`ops: [...]`,
+    e.g. the packed-expert ops of every weight format). Returns [(op name, routes, tables)]."""
     data = load_yaml(root / file, root)
-    _keys(data, file, "", {"op", "routes"}, {"tables"})
-    op = ops.get(data["op"])
-    _need(op is not None, file, "op", f"unknown op {data['op']!r} (known ops: {', '.join(sorted(ops))})")
-    _need(Path(file).stem == op.name, file, "op", f"routes of op {op.name!r} must live in routes/{op.name}.yaml")
+    _keys(data, file, "", {"routes"}, {"op", "ops", "tables"})
+    _need(("op" in data) != ("ops" in data), file, "", "expected exactly one of 'op' (one op) and 'ops' (a list)")
+    key = "op" if "op" in data else "ops"
+    names = [data["op"]] if key == "op" else data["ops"]
+    _need(isinstance(names, list) and names and len(set(names)) == len(names), file, key,
+          "expected a non-empty list of distinct op names")
+    for n in names:
+        _need(isinstance(n, str) and n in ops, file, key, f"unknown op {n!r} (known ops: {', '.join(sorted(ops))})")
+    _need(key == "ops" or Path(file).stem == data["op"], file, "op", f"routes of op {data.get('op')!r} must live "
+          f"in routes/{data.get('op')}.yaml (or in a file that lists it under 'ops')")
+    return [_load_op_routes(data, file, ops[n], archs, templates) for n in names]
+
+
+def _load_op_routes(data: dict, file: str, op: Op, archs: dict[str, Arch], templates: Path):
     routes: dict[str, Route] = {}
     _need(isinstance(data["routes"], list) and data["routes"], file, "routes", "expected a non-empty list")
     for i, r in enumerate(data["routes"]):
@@ -354,9 +366,12 @@ def load_specs(root: Path, templates: Path) -> SpecSet:
         ops[op.name] = op
     routes, tables = {}, []
     for f in sorted((root / "routes").glob("*.yaml")):
-        name, rs, ts = load_routes(root, f"routes/{f.name}", ops, archs, templates)
-        routes[name] = rs
-        tables += ts
+        for name, rs, ts in load_routes(root, f"routes/{f.name}", ops, archs, templates):
+            if name in routes:
+                _need(False, f"routes/{f.name}", "", f"op {name!r} already has routes in "
+                      f"{next(iter(routes[name].values())).file}")
+            routes[name] = rs
+            tables += ts
     _check_coverage(ops, routes, tables, archs)
     tuned = {}
     for f in sorted((root / "tuned").glob("*.yaml")) if (root / "tuned").is_dir() else []:
@@ -405,5 +420,5 @@ def _check_coverage(ops, routes, tables, archs):
                     seen[key] = t
         built = {(a, d) for r in routes[name].values() for a in r.archs for d in r.dtypes}
         for a, d in sorted(built):
-            _need((a, d, ()) in seen, f"routes/{name}.yaml", "tables",
+            _need((a, d, ()) in seen, next(iter(routes[name].values())).file, "tables",
                   f"no default table (problem: any) for {name} on {a}/{d}: every T must be admitted")

@@ -72,6 +72,23 @@ def test_unknown_op_in_route_file(spec_tree):
     fails(spec_tree, "routes/add.yaml: op: unknown op 'addd' (known ops:")
 
 
+def test_a_shared_routes_file_serves_each_listed_op(spec_tree):
+    """routes/moe_experts_packed.yaml lists the packed-expert ops of every format; each gets its own routes,
+    and an op routed by two files, or an unknown op in the list, is refused by name."""
+    specs, templates = spec_tree
+    s = load_specs(specs, templates)
+    assert {r.file for r in s.routes["moe_experts_q5"].values()} == {"routes/moe_experts_packed.yaml"}
+    assert set(s.routes["moe_experts_q5"]) == set(s.routes["moe_experts_fp8"])
+    shared = specs / "routes" / "moe_experts_packed.yaml"
+    second = specs / "routes" / "zz_more_experts.yaml"
+    second.write_text(shared.read_text())
+    edit(second, lambda d: d.update(ops=["moe_experts_q5"]))
+    fails(spec_tree, "routes/zz_more_experts.yaml: op 'moe_experts_q5' already has routes in routes/moe_experts_packed.yaml")
+    second.unlink()
+    edit(shared, lambda d: d.update(ops=[*d["ops"], "moe_experts_nope"]))
+    fails(spec_tree, "routes/moe_experts_packed.yaml: ops: unknown op 'moe_experts_nope'")
+
+
 def test_unknown_template(spec_tree):
     specs, _ = spec_tree
     edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0].update(template="nope.cu.j2"))
