@@ -91,8 +91,9 @@ def admits(kernel, dims: dict) -> bool:
     return all(evaluate(c, dims) for c in kernel.constraints)
 
 
-def measure(be, op: str, problem: dict, grid, reps: int, echo) -> list[str]:
-    """The fastest instance at each grid T among those admitting the whole span it would own."""
+def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = False) -> list[str]:
+    """The fastest instance at each grid T among those admitting the whole span it would own (verbose: echo
+    every instance's time)."""
     import torch
 
     from ninfer.cli.bench import _make, _time_graph, footprint, rotating_sets
@@ -113,6 +114,8 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo) -> list[str]:
             plans = [be.plan(op, route=k.instance, **s) for s in sets]
             launches = max(len(sets), min(20, int(2e-3 / max(nbytes / 3e12, 1e-7))))
             secs = _time_graph(torch, plans, reps, launches)
+            if verbose:
+                echo(f"    {k.instance} {secs * 1e6:.1f} us")
             if best is None or secs < best[0]:
                 best = (secs, k.instance)
         if best is None:
@@ -168,9 +171,10 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
 @click.option("--op", "ops", multiple=True, help="only these ops (repeatable), e.g. linear_q4")
 @click.option("--grid", default=",".join(map(str, GRID)), show_default=True, help="T values to time")
 @click.option("--reps", default=10, show_default=True)
+@click.option("-v", "--verbose", is_flag=True, help="print every route instance's time, not only the fastest")
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
               help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
-def main(artifact, shape, fmt, ops, grid, reps, specs_dir) -> None:
+def main(artifact, shape, fmt, ops, grid, reps, verbose, specs_dir) -> None:
     """Time every route of every linear problem of a model on this GPU; write specs/tuned/<gpu>.yaml."""
     from ninfer.runtime.cuda import gpu_available
     from ninfer.runtime.paths import ROOT
@@ -196,7 +200,7 @@ def main(artifact, shape, fmt, ops, grid, reps, specs_dir) -> None:
     click.echo(f"# ninfer-tune on {gpu} ({arch}): {len(problems)} problems x {len(ts)} T values", err=True)
     tables = []
     for op, problem in problems:
-        winners = measure(be, op, problem, ts, reps, lambda m: click.echo(m, err=True))
+        winners = measure(be, op, problem, ts, reps, lambda m: click.echo(m, err=True), verbose)
         tables.append({"op": op, "problem": problem, "spans": build_spans(ts, winners)})
     note = f"{datetime.date.today().isoformat()}, {source}, grid {grid}"
     root = Path(specs_dir) if specs_dir else ROOT / "specs"

@@ -220,7 +220,8 @@ def _lower_route(r: Route, op: Op, tile: dict, file: str, path: str) -> dict:
         except ExprError as e:
             raise SpecError(file, p, str(e)) from None
 
-    out = {"grid": [low(g, f"{path}.launch.grid[{i}]") for i, g in enumerate(r.grid)],
+    # grid formulas may also use SMS, the GPU's SM count (persistent kernels size their grid by it)
+    out = {"grid": [low(g, f"{path}.launch.grid[{i}]", names | {"SMS"}) for i, g in enumerate(r.grid)],
            "block": [low(b, f"{path}.launch.block[{i}]", set()) for i, b in enumerate(r.block)],
            "smem": low(r.smem, f"{path}.launch.smem", set()),
            "constraints": [low(c, f"{path}.constraints[{i}]") for i, c in enumerate(r.constraints)], "args": []}

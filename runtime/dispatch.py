@@ -205,7 +205,7 @@ class CudaBackend(Backend):
                 values.append(ctypes.c_float(params[a]))
             else:
                 values.append(ctypes.c_int32(params[a]))
-        grid = tuple(int(evaluate(g, env)) for g in kernel.grid)
+        grid = tuple(int(evaluate(g, {**env, "SMS": self.device.sm_count})) for g in kernel.grid)
         block = tuple(int(evaluate(b, env)) for b in kernel.block)
         pdl = self.pdl and kernel.data.get("pdl", False) and self.device.cc >= 90
         launch = Launch(self.module(kernel), grid, block, int(evaluate(kernel.smem, env)), values, pdl)

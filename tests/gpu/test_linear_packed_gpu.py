@@ -15,6 +15,7 @@ import torch
 from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.formats import encode
+from ninfer.runtime.manifest import evaluate
 from ninfer.runtime.tolerance import compare
 from tests.gpu.graphs import replay_then_eager
 
@@ -45,12 +46,15 @@ def is_gemv(route):
     return route == "gemv" or route.startswith("gemv_")
 
 
-def gemv_tiles(be, fmt):
-    """(instance, tmax) of every tile of every gemv route (gemv, gemv_fma, ...) built for this GPU's arch."""
-    out = [(k.instance, k.data["tile_params"]["tmax"]) for k in be.manifest.kernels.values()
-           if k.arch == be.device.arch and k.op == f"linear_{fmt}" and is_gemv(k.route) and k.dtype == "bf16"]
-    assert out, f"no gemv tiles for linear_{fmt} on {be.device.arch}"
-    return sorted(out)
+def gemv_tiles(be, fmt, N, K):
+    """(instance, tmax) of every tile of every gemv route (gemv, gemv_fma, ...) built for this GPU's arch whose
+    constraints admit the shape (at T = 1; tmax bounds T)."""
+    kernels = [k for k in be.manifest.kernels.values()
+               if k.arch == be.device.arch and k.op == f"linear_{fmt}" and is_gemv(k.route) and k.dtype == "bf16"]
+    assert kernels, f"no gemv tiles for linear_{fmt} on {be.device.arch}"
+    dims = {"T": 1, "N": N, "K": K}
+    return sorted((k.instance, k.data["tile_params"]["tmax"]) for k in kernels
+                  if all(evaluate(c, dims) for c in k.constraints))
 
 
 _WEIGHTS = {}
@@ -113,7 +117,7 @@ def run_and_check(be, ref, fmt, w, x, N, route=None):
 @pytest.mark.parametrize("N,K", [(n, k) for n in NS for k in KS] + STAGED, ids=lambda v: str(v))
 def test_every_gemv_tile(be, ref, fmt, N, K):
     w = packed(fmt, N, K)
-    for route, tmax in gemv_tiles(be, fmt):
+    for route, tmax in gemv_tiles(be, fmt, N, K):
         for T in range(1, tmax + 1):
             x = activations(T, K, tmax, seed=31 * T + K + N)
             assert run_and_check(be, ref, fmt, w, x, N, route=route) == route
@@ -135,15 +139,16 @@ def test_route_table_boundary(be, ref, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("N,K", [(17408, 5120), (5120, 17408)], ids=lambda v: str(v))
+@pytest.mark.parametrize("N,K", [(17408, 5120), (5120, 17408), (10637, 1024)], ids=lambda v: str(v))
 def test_real_shape(be, ref, fmt, N, K):
     """gate/up (17408 x 5120) and down (5120 x 17408) projections of the 27B model at T = 1 and 4, the
-    table's choice and every gemv tile that admits T."""
+    table's choice and every gemv tile that admits T; and 10637 x 1024: more 16-row tiles than a persistent
+    gemv's grid of 5 blocks per SM on 132 SMs, with a short last tile."""
     w = packed(fmt, N, K)
     for T in (1, 4):
         x = activations(T, K, T, seed=T)
         run_and_check(be, ref, fmt, w, x, N)
-        for route, tmax in gemv_tiles(be, fmt):
+        for route, tmax in gemv_tiles(be, fmt, N, K):
             if T <= tmax:
                 run_and_check(be, ref, fmt, w, x, N, route=route)
 
@@ -158,7 +163,7 @@ def test_cuda_graph_capture(be, ref, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_graph_capture_every_gemv_tile(be, ref, fmt):
     """The same for every gemv tile."""
-    for route, _ in gemv_tiles(be, fmt):
+    for route, _ in gemv_tiles(be, fmt, 300, 5120):
         check_graph_capture(be, ref, fmt, route)
 
 

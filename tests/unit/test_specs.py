@@ -171,6 +171,15 @@ def test_bad_formula(spec_tree):
     fails(spec_tree, "routes/add.yaml: routes[0].launch.grid[0]: in \"__import__('os')\": only the functions cdiv, min, max are allowed")
 
 
+def test_sms_names_the_sm_count_in_grid_formulas_only(spec_tree):
+    """A persistent kernel's grid may use SMS (the running GPU's SM count); block and smem may not."""
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["launch"].update(grid=["min(cdiv(H, 8), SMS * 4)", "T", 1]))
+    load_specs(*spec_tree)
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["launch"].update(smem="SMS * 16"))
+    fails(spec_tree, "routes[0].launch.smem: in 'SMS * 16': unknown name 'SMS'")
+
+
 def test_unknown_tile_param_in_formula(spec_tree):
     specs, _ = spec_tree
     edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["launch"].update(block=["tile.warps", 1, 1]))
