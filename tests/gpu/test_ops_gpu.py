@@ -56,8 +56,8 @@ def route_cases():
     for k in sorted(m.kernels.values(), key=lambda k: k.key):
         if k.arch != arch or k.op not in PROBLEMS:
             continue
-        for problem in PROBLEMS[k.op][:1]:
-            for T in ROUTE_TS:
+        for i, problem in enumerate(PROBLEMS[k.op]):  # the first problem at every T, the others at a few
+            for T in ROUTE_TS if i == 0 else ROUTE_TS[::6]:
                 if all(evaluate(c, {"T": T, **problem}) for c in k.constraints):
                     cases.append((k.op, k.instance, {"T": T, **problem}))
     return cases
