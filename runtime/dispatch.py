@@ -186,7 +186,7 @@ class CudaBackend(Backend):
             if t.data_ptr() % 16:
                 raise ContractError(f"{op}: argument {name} is not 16-byte aligned")
         kernel = self.select(op, dtype, dims, route)
-        env = {**dims, **params}
+        env = {**dims, **params, "SMS": self.device.sm_count}  # SMS: grid formulas only (codegen checks)
         for c in kernel.constraints:
             if not evaluate(c, env):
                 shown = ", ".join(f"{k}={v}" for k, v in dims.items())
@@ -205,7 +205,7 @@ class CudaBackend(Backend):
                 values.append(ctypes.c_float(params[a]))
             else:
                 values.append(ctypes.c_int32(params[a]))
-        grid = tuple(int(evaluate(g, {**env, "SMS": self.device.sm_count})) for g in kernel.grid)
+        grid = tuple(int(evaluate(g, env)) for g in kernel.grid)
         block = tuple(int(evaluate(b, env)) for b in kernel.block)
         pdl = self.pdl and kernel.data.get("pdl", False) and self.device.cc >= 90
         launch = Launch(self.module(kernel), grid, block, int(evaluate(kernel.smem, env)), values, pdl)

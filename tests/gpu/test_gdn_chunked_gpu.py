@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ninfer.runtime import reference
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.tolerance import compare
+from tests.gpu.gdn import check_state_carried, clone
 
 gpu = pytest.mark.gpu
 
@@ -139,10 +140,6 @@ def delta_inputs(shape, runs, seed, state=None, slots=None, gates="real"):
             "num_k_heads": hk, "scale": dk ** -0.5}
 
 
-def clone(ts):
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ts.items()}
-
-
 def check(be, ts, route=None, what=""):
     """Run the kernel and the reference (cloned tensors); compare o and state under gdn_state_fp32."""
     ref_ts = clone(ts)
@@ -206,18 +203,8 @@ def test_state_carried_across_routes(be, shape):
     slots = torch.tensor([3, 0, 4], dtype=torch.int32, device="cuda")
     state = torch.randn(6, sh[1], sh[2], sh[3], device="cuda", generator=gen(11)) * 0.5
     state[slots.long()] = 0  # new sequences
-    ref_state = state.clone()
-    preset = be.manifest.tolerances["gdn_state_fp32"]
-    for i, runs in enumerate([[100, 64, 37], [2, 70, 30], [1, 1, 1], [1, 1, 1], [65, 1, 129]]):
-        ts = delta_inputs(sh, runs, seed=100 + i, state=state, slots=slots)
-        ref_ts = clone(ts)
-        ref_ts["state"] = ref_state
-        be.run("gdn_delta_rule", **ts)
-        ReferenceBackend(be.manifest).run("gdn_delta_rule", **ref_ts)
-        torch.cuda.synchronize()
-        for name in ("o", "state"):
-            v = compare(ts[name], ref_ts[name], preset, f"gdn_delta_rule.{name} {shape} call {i} runs={runs}")
-            assert v, v.detail
+    check_state_carried(be, lambda runs, **kw: delta_inputs(sh, runs, **kw), state, slots,
+                        [[100, 64, 37], [2, 70, 30], [1, 1, 1], [1, 1, 1], [65, 1, 129]], shape)
 
 
 def chunked_boundary(be):

@@ -12,6 +12,7 @@ from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
+from tests.gpu.gdn import check_state_carried, clone
 from tests.ops_cases import boundary_ts
 
 pytestmark = pytest.mark.gpu
@@ -63,10 +64,6 @@ def runs_for(T):
     if T <= 40:
         return [1, 2, 3, T - 6]
     return [1, 2, 3, (T - 6) // 3, T - 6 - (T - 6) // 3]
-
-
-def clone(ts):
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ts.items()}
 
 
 def check_against_reference(be, op, ts, route=None, what=""):
@@ -205,18 +202,8 @@ def test_gdn_delta_rule_state_carried(be, shape):
     state = randn(g, 5, sh[1], sh[2], sh[3], scale=0.5, dtype=torch.float32)
     slots = torch.tensor([3, 0, 4], dtype=torch.int32, device="cuda")
     state[slots.long()] = 0  # new sequences
-    ref_state = state.clone()
-    for i, runs in enumerate([[37, 64, 5], [2, 1, 30], [1, 1, 1], [1, 1, 1], [10, 1, 3]]):
-        ts = delta_inputs(sh, runs, seed=100 + i, state=state, slots=slots)
-        ref_ts = clone(ts)
-        ref_ts["state"] = ref_state
-        be.run("gdn_delta_rule", **ts)
-        ReferenceBackend(be.manifest).run("gdn_delta_rule", **ref_ts)
-        torch.cuda.synchronize()
-        preset = be.manifest.tolerances["gdn_state_fp32"]
-        for name in ("o", "state"):
-            v = compare(ts[name], ref_ts[name], preset, f"gdn_delta_rule.{name} {shape} call {i} runs={runs}")
-            assert v, v.detail
+    check_state_carried(be, lambda runs, **kw: delta_inputs(sh, runs, **kw), state, slots,
+                        [[37, 64, 5], [2, 1, 30], [1, 1, 1], [1, 1, 1], [10, 1, 3]], shape)
 
 
 def test_gdn_delta_rule_unused_slots_untouched(be):
