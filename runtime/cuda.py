@@ -81,7 +81,10 @@ class Module:
         self._cubin = cubin  # keep the image alive for the module's lifetime
         self.module = check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({symbol})")
         self.function = check(driver.cuModuleGetFunction(self.module, symbol.encode()), f"cuModuleGetFunction({symbol})")
-        if smem > 48 * 1024:
+        # static + dynamic shared memory past the default 48 KB needs the opt-in
+        static = check(driver.cuFuncGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                                                 self.function), f"cuFuncGetAttribute({symbol})")
+        if smem and smem + static > 48 * 1024:
             check(driver.cuFuncSetAttribute(
                 self.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                 f"cuFuncSetAttribute({symbol}, smem={smem})")

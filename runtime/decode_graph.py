@@ -7,6 +7,8 @@ allocated that the next replay does not reuse, and nothing syncs with the host.
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from .models.blocks import Step
@@ -24,8 +26,17 @@ def capture(fn, warmup=None) -> torch.cuda.CUDAGraph:
         (warmup or fn)()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    # No garbage collection inside the capture: collecting a dropped engine frees its pinned host buffers
+    # (cudaFreeHost), a call that invalidates a capture in progress.
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    finally:
+        if enabled:
+            gc.enable()
     return graph
 
 

@@ -137,11 +137,23 @@ def test_greedy_tokens_match_where_the_oracle_is_decided(engines, kind):
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_batch_of_8_equals_each_alone_on_gpu(engines, kind):
+    """Batched and alone runs agree token for token up to the first near-tie. The decode kernels are not
+    bitwise batch-invariant (a linear route at T = 8 accumulates in another order than at T = 1; logits move
+    by ~1e-2), so a sequence may part from its alone run only where its own top-1 margin, scored alone, is
+    within twice model_bf16's atol (the oracle tests' rule); a lane mix-up or a state leak between lanes
+    moves logits far beyond that."""
     eng = engines(kind)
+    atol = eng.be.manifest.tolerances["model_bf16"]["atol"]
     prompts = [c["prompt"] for c in cases(kind)]
     batched = [s.generated for s in eng.generate(prompts, max_new=16)]
     alone = [eng.generate([p], max_new=16)[0].generated for p in prompts]
-    assert batched == alone
+    for i, (p, b, a) in enumerate(zip(prompts, batched, alone)):
+        d = next((j for j, (x, y) in enumerate(zip(b, a)) if x != y), None)
+        if d is None:
+            continue
+        top2 = eng.score(p + a[:d])[-1].float().topk(2).values
+        margin = (top2[0] - top2[1]).item()
+        assert margin <= 2 * atol, f"{kind} prompt {i}: batched parts from alone at token {d}, where the margin is {margin:.3f}"
     assert eng.cache.in_use == (0, 0)
 
 
