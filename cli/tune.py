@@ -68,12 +68,21 @@ def artifact_problems(path) -> list[tuple[str, dict]]:
 def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
     """stored: tensor name -> (shape, format). A packed matrix runs linear_<format> (decode) and, from
     DEQUANT_MIN_T tokens on, the bf16 `linear` over its decoded copy (prefill); a float one runs `linear`.
-    A tied lm_head is the embedding table; GDN b|a is one bf16 projection (models/blocks.py)."""
+    A tied lm_head is the embedding table; GDN b|a is one bf16 projection, and GDN qkv|z one where their
+    storage joins (models/blocks.py)."""
     from ninfer.runtime.models.blocks import DEQUANT_MAX_BYTES
     from ninfer.runtime.reference_quant import PACKED
+    from ninfer.runtime.weights import can_cat_rows
     out = set()
     if "lm_head" not in stored and cfg.tied_embeddings:
         stored = {**stored, "lm_head": stored["embed"]}
+    stored = dict(stored)
+    for qkv in [n for n in stored if n.endswith("gdn.in_qkv")]:   # GatedDeltaNet.fuse_weights
+        z = qkv[:-len("qkv")] + "z"
+        (sa, fa), (sb, fb) = stored[qkv], stored.get(z, ((), None))
+        if fb is not None and can_cat_rows(fa, sa, fb, sb):
+            stored[qkv + "z"] = ((sa[0] + sb[0], sa[1]), fa)
+            del stored[qkv], stored[z]
     for name, (s, fmt) in stored.items():
         if len(s) != 2 or name == "embed" or name.endswith(("router", "conv", "in_b", "in_a")):
             continue     # not run through a linear op (embedding, moe_router, gdn_conv) or fused (b|a)
@@ -169,12 +178,14 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
 @click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8"]), default="bf16",
               show_default=True, help="format of the quantizable matrices")
 @click.option("--op", "ops", multiple=True, help="only these ops (repeatable), e.g. linear_q4")
+@click.option("--problem", "only", multiple=True, metavar="NxK",
+              help="only these problems (repeatable), e.g. 16384x5120")
 @click.option("--grid", default=",".join(map(str, GRID)), show_default=True, help="T values to time")
 @click.option("--reps", default=10, show_default=True)
 @click.option("-v", "--verbose", is_flag=True, help="print every route instance's time, not only the fastest")
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
               help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
-def main(artifact, shape, fmt, ops, grid, reps, verbose, specs_dir) -> None:
+def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> None:
     """Time every route of every linear problem of a model on this GPU; write specs/tuned/<gpu>.yaml."""
     from ninfer.runtime.cuda import gpu_available
     from ninfer.runtime.paths import ROOT
@@ -193,9 +204,10 @@ def main(artifact, shape, fmt, ops, grid, reps, verbose, specs_dir) -> None:
         problems = artifact_problems(artifact)
     else:
         source, problems = f"{shape} {fmt}", model_problems(shape, fmt)
-    problems = [(op, p) for op, p in problems if not ops or op in ops]
+    problems = [(op, p) for op, p in problems if (not ops or op in ops) and (not only or f"{p['N']}x{p['K']}" in only)]
     if not problems:
-        raise click.BadParameter(f"no linear problem of {source} uses the ops {', '.join(ops)}", param_hint="--op")
+        raise click.BadParameter(f"no linear problem of {source} matches --op {', '.join(ops) or '(any)'} "
+                                 f"--problem {', '.join(only) or '(any)'}", param_hint="--op/--problem")
     gpu, arch = be.device.name, be.device.arch
     click.echo(f"# ninfer-tune on {gpu} ({arch}): {len(problems)} problems x {len(ts)} T values", err=True)
     tables = []

@@ -69,7 +69,8 @@ class _Graph:
     def _body(self) -> None:
         e, f = self.engine, self.f
         step = Step(positions=f["positions"], token_seq=self.token_seq, query_start=self.query_start,
-                    slot_mapping=f["slot_mapping"], block_table=self.block_table, state_slots=f["state_slots"])
+                    slot_mapping=f["slot_mapping"], block_table=self.block_table, state_slots=f["state_slots"],
+                    decode=True)
         logits = e.model.forward(e.be, f["ids"], step, self.rows)
         e.be.run("sample", logits=logits, counts=e._counts.index_select(0, f["state_slots"]),
                  temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],

@@ -123,6 +123,7 @@ class Engine:
         self.be, self.cfg, self.weights, self.domain = be, cfg, weights, domain
         self.device = torch.device("cuda" if be.name == "cuda" else "cpu")
         self.dtype = torch.bfloat16 if be.name == "cuda" else torch.float32
+        MODELS[cfg.family].fuse_weights(cfg, weights)
         num_pages = plan_kv_pages(cfg, self.device, self.dtype, max_seqs, max_context, page_size, prefill_chunk,
                                   kv_capacity, dequant_scratch_bytes(weights))
         self.cache = SequenceCache(cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
@@ -154,7 +155,8 @@ class Engine:
         table = [seq.pages + [0] * (width - len(seq.pages)) for seq in seqs]
         i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)  # noqa: E731
         step = Step(positions=i32(positions), token_seq=i32(token_seq), query_start=i32(qs),
-                    slot_mapping=i32(slot_mapping), block_table=i32(table), state_slots=i32([q.slot for q in seqs]))
+                    slot_mapping=i32(slot_mapping), block_table=i32(table), state_slots=i32([q.slot for q in seqs]),
+                    decode=all(b - a == 1 for a, b in spans))
         rows = torch.arange(qs[-1], dtype=torch.int32, device=self.device) if all_rows else i32(qs[1:]) - 1
         return self.model.forward(self.be, i32(ids), step, rows, hidden_out)
 

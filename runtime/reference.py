@@ -147,6 +147,20 @@ def gdn_gated_norm(o, z, w, eps):
     return {"y": w * _norm(o, eps) * F.silu(z)}
 
 
+def gdn_decode(x, qkvz, w_ba, conv_w, A_log, dt_bias, norm_w, slots, conv_state, state, scale, eps, norm_eps):
+    """The decode-step GDN mixer as the unfused ops, each sequence a one-token run."""
+    T, (hk, r) = x.shape[0], A_log.shape
+    hv, dk, dv = hk * r, state.shape[3], state.shape[4]
+    qkv, z = qkvz[:, :conv_w.shape[0]], qkvz[:, conv_w.shape[0]:]
+    runs = torch.arange(T + 1, dtype=torch.int32)
+    gates = gdn_gates(linear(x, w_ba.reshape(2 * hv, -1))["y"], A_log.reshape(hv), dt_bias.reshape(hv))
+    conv = gdn_conv(qkv, conv_w, runs, slots, conv_state)
+    rule = gdn_delta_rule(conv["y"], gates["g"], gates["beta"], runs, slots, state.reshape(-1, hv, dk, dv), hk,
+                          scale, eps)
+    y = gdn_gated_norm(rule["o"], z.reshape(T, hv, dv), norm_w, norm_eps)["y"]
+    return {"y": y.reshape(T, hk, r, dv), "conv_state": conv["conv_state"], "state": rule["state"].reshape(state.shape)}
+
+
 def moe_router(x, w):
     # fp32 (fp64 stays fp64) and never rounded to the run dtype: the top-k reading these logits flips on
     # differences below one bf16 ulp
@@ -224,5 +238,5 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
 
 REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
                                       attn_qk_prep, kv_cache_write, paged_attention, gdn_conv, gdn_gates,
-                                      gdn_delta_rule, gdn_gated_norm, moe_router, moe_topk, moe_experts,
+                                      gdn_delta_rule, gdn_gated_norm, gdn_decode, moe_router, moe_topk, moe_experts,
                                       sigmoid_gate_add, argmax, sample)}

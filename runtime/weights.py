@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format_base import K_ALIGN, align_up, as_matrix_shape
+from .format_base import K_ALIGN, TILE_ROWS, TiledFormat, align_up, as_matrix_shape
 from .formats import get_format
 from .reference_quant import PACKED
 
@@ -37,6 +37,30 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def can_cat_rows(fmt_a: str, shape_a, fmt_b: str, shape_b) -> bool:
+    """Whether two stored matrices join as [a; b] by appending b's storage to a's: one format, one width,
+    and for a packed format no object header and a ending on a whole 128-row tile (b's tiles then follow)."""
+    if fmt_a != fmt_b or len(shape_a) != 2 or len(shape_b) != 2 or shape_a[1] != shape_b[1]:
+        return False
+    if fmt_a not in PACKED:
+        return True
+    fmt = get_format(fmt_a)
+    return isinstance(fmt, TiledFormat) and not fmt.header_bytes and shape_a[0] % TILE_ROWS == 0
+
+
+def cat_rows(a, b):
+    """The matrix [a; b] (a's rows, then b's) as loaded weights (PackedWeight or tensor), or None where
+    can_cat_rows says no."""
+    if isinstance(a, PackedWeight) and isinstance(b, PackedWeight):
+        if not can_cat_rows(a.fmt, a.matrix, b.fmt, b.matrix):
+            return None
+        return PackedWeight(torch.cat([a.data, b.data]), a.fmt, (a.matrix[0] + b.matrix[0], a.matrix[1]))
+    if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.dim() == b.dim() == 2
+            and a.shape[1] == b.shape[1]):
+        return torch.cat([a, b])
+    return None
 
 
 def load_weights(art, device, dtype: torch.dtype, packed: bool = True) -> dict:

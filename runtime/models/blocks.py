@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..reference_quant import moe_op
-from ..weights import PackedWeight
+from ..weights import PackedWeight, cat_rows
 from .config import HybridConfig
 
 
@@ -24,6 +24,7 @@ class Step:
     slot_mapping: torch.Tensor   # [T] i32 KV-cache slot (page * page_size + offset) of each token
     block_table: torch.Tensor    # [S, MB] i32 KV pages of each sequence
     state_slots: torch.Tensor    # [S] i32 GDN state slot of each sequence
+    decode: bool = False         # every sequence has exactly one token (T == S): fused decode ops apply
 
 
 def new(like: torch.Tensor, *shape, dtype=None) -> torch.Tensor:
@@ -111,18 +112,41 @@ class GatedDeltaNet:
     def __init__(self, cfg: HybridConfig, w: dict, layer: int, conv_state, state):
         p = f"layers.{layer}.gdn."
         self.cfg = cfg
-        self.in_qkv, self.in_z = w[p + "in_qkv"], w[p + "in_z"]
+        # [qkv | z] as one projection where fuse_weights could join them, else the two matrices
+        self.in_qkvz = w.get(p + "in_qkvz")
+        self.in_qkv, self.in_z = (None, None) if self.in_qkvz is not None else (w[p + "in_qkv"], w[p + "in_z"])
         # b and a as one small projection (float roles: recipes never pack them) instead of two launches
         self.in_ba = torch.cat([w[p + "in_b"], w[p + "in_a"]], 0)
         self.conv, self.A_log, self.dt_bias = w[p + "conv"], w[p + "A_log"], w[p + "dt_bias"]
         self.norm, self.out = w[p + "norm"], w[p + "out"]
         self.conv_state, self.state = conv_state, state
 
+    @staticmethod
+    def fuse_weights(w: dict, layer: int) -> None:
+        """Replace in_qkv and in_z by their row concatenation in_qkvz (one GEMV instead of two), where the
+        storage allows it (weights.cat_rows); run before memory planning, which sizes scratch by matrix."""
+        p = f"layers.{layer}.gdn."
+        if p + "in_qkv" in w and p + "in_z" in w:
+            fused = cat_rows(w[p + "in_qkv"], w[p + "in_z"])
+            if fused is not None:
+                w[p + "in_qkvz"] = fused
+                del w[p + "in_qkv"], w[p + "in_z"]
+
+    def _qkvz(self, be, x):
+        """[q | k | v | z] projected: [T, conv channels + HV·DV]."""
+        if self.in_qkvz is not None:
+            return linear(be, x, self.in_qkvz)
+        return torch.cat([linear(be, x, self.in_qkv), linear(be, x, self.in_z)], 1)
+
     def __call__(self, be, x, step: Step):
+        if step.decode:
+            return self.decode(be, x, step)
         c = self.cfg
         T = x.shape[0]
-        mixed = linear(be, x, self.in_qkv)
-        z, ba = linear(be, x, self.in_z), linear(be, x, self.in_ba)
+        qkvz = self._qkvz(be, x)
+        channels = 2 * c.k_heads * c.k_dim + c.v_heads * c.v_dim
+        mixed, z = qkvz[:, :channels].contiguous(), qkvz[:, channels:].contiguous()
+        ba = linear(be, x, self.in_ba)
         qkv = torch.empty_like(mixed)
         be.run("gdn_conv", x=mixed, w=self.conv, query_start=step.query_start, slots=step.state_slots,
                conv_state=self.conv_state, y=qkv)
@@ -134,6 +158,18 @@ class GatedDeltaNet:
         y = torch.empty_like(o)
         be.run("gdn_gated_norm", o=o, z=z.view(T, c.v_heads, c.v_dim), w=self.norm, y=y, eps=c.eps)
         return linear(be, y.view(T, -1), self.out)
+
+    def decode(self, be, x, step: Step):
+        """One token per sequence: b/a, conv, gates, delta rule and gated norm are one gdn_decode launch."""
+        c = self.cfg
+        T, hk, r = x.shape[0], c.k_heads, c.v_heads // c.k_heads
+        y = new(x, T, c.v_heads * c.v_dim)
+        be.run("gdn_decode", x=x, qkvz=self._qkvz(be, x), w_ba=self.in_ba.view(2, hk, r, -1),
+               conv_w=self.conv, A_log=self.A_log.view(hk, r), dt_bias=self.dt_bias.view(hk, r), norm_w=self.norm,
+               slots=step.state_slots, conv_state=self.conv_state,
+               state=self.state.view(-1, hk, r, c.k_dim, c.v_dim), y=y.view(T, hk, r, c.v_dim),
+               scale=c.k_dim ** -0.5, norm_eps=c.eps)
+        return linear(be, y, self.out)
 
 
 class DenseMLP:

@@ -26,6 +26,13 @@ class HybridForCausalLM:
             self.layers.append((weights[f"layers.{i}.input_norm"], mixer, weights[f"layers.{i}.post_norm"],
                                 self.make_mlp(cfg, weights, i)))
 
+    @staticmethod
+    def fuse_weights(cfg: HybridConfig, weights: dict) -> None:
+        """Join matrices that one launch can read together (in place; the engine calls it before planning memory)."""
+        for i in range(cfg.layers):
+            if not cfg.is_attention(i):
+                GatedDeltaNet.fuse_weights(weights, i)
+
     def make_mlp(self, cfg: HybridConfig, weights: dict, layer: int):
         raise NotImplementedError
 

@@ -85,3 +85,34 @@ def test_prefill_over_packed_weights_takes_the_dequant_path():
     small = blocks.linear(Spy(), x[:7], pw)
     assert calls[2:] == ["linear_q4"]
     assert torch.allclose(y[:7], small, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_cat_rows_appends_whole_tiles(fmt):
+    """[a; b] of two packed matrices (a on whole 128-row tiles) decodes to the rows of a, then of b; where
+    appending bytes would not give that layout (a short tile in a, an object header, unequal widths or
+    formats) cat_rows declines instead."""
+    from ninfer.runtime.formats import get_format
+    from ninfer.runtime.weights import cat_rows
+    rng = np.random.default_rng(3)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in ((256, 200), (77, 200)))
+    pa, pb = (PackedWeight(torch.from_numpy(encode(fmt, m)), fmt, m.shape) for m in (a, b))
+    joined = cat_rows(pa, pb)
+    if get_format(fmt).header_bytes:
+        assert joined is None
+        return
+    assert joined.shape == (333, 200)
+    want = np.concatenate([decode(fmt, encode(fmt, a), a.shape), decode(fmt, encode(fmt, b), b.shape)])
+    assert np.array_equal(unpack(fmt, joined.data, 333, 200).numpy(), want)
+    assert cat_rows(pb, pa) is None                                        # 77 rows: a short tile inside
+    c = rng.standard_normal((128, 136)).astype(np.float32)
+    assert cat_rows(pa, PackedWeight(torch.from_numpy(encode(fmt, c)), fmt, c.shape)) is None   # widths differ
+    other = "w8" if fmt != "w8" else "q4"
+    assert cat_rows(pa, PackedWeight(torch.from_numpy(encode(other, b)), other, b.shape)) is None
+
+
+def test_cat_rows_of_float_tensors():
+    from ninfer.runtime.weights import cat_rows
+    a, b = torch.randn(3, 8), torch.randn(5, 8)
+    assert torch.equal(cat_rows(a, b), torch.cat([a, b]))
+    assert cat_rows(a, b.double()) is None and cat_rows(a, torch.randn(5, 9)) is None

@@ -26,6 +26,9 @@ def test_model_problems_are_the_linear_shapes():
     got = model_problems("qwen3.6-27b", "q4")
     assert ("linear_q4", {"N": 34816, "K": 5120}) in got and ("linear_q4", {"N": 248320, "K": 5120}) in got
     assert ("linear", {"N": 96, "K": 5120}) in got            # the GDN b|a projection runs bf16
+    # GDN qkv (10240 rows) and z (6144) run as one projection (GatedDeltaNet.fuse_weights)
+    assert ("linear_q4", {"N": 16384, "K": 5120}) in got
+    assert not {(10240, 5120), (6144, 5120)} & {(p["N"], p["K"]) for _, p in got}
     assert all(op in ("linear", "linear_q4") for op, _ in got)
     assert gpu_slug("NVIDIA H200") == "nvidia-h200"
 
