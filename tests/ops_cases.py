@@ -63,3 +63,13 @@ def boundary_ts(spans):
             ts |= {lo - 1, lo, lo + 1}
         ts.add((lo + hi) // 2 if hi is not None else 2 * lo + 37)
     return sorted(ts)
+
+
+def gpu_kernels(ops) -> list:
+    """This GPU's route instances of `ops` (sorted), or [] without a GPU: the GPU tests' every-route cases."""
+    from ninfer.runtime.cuda import device, gpu_available
+    from ninfer.runtime.manifest import Manifest
+    if not gpu_available():
+        return []
+    arch = device().arch
+    return sorted((k for k in Manifest.load().kernels.values() if k.arch == arch and k.op in ops), key=lambda k: k.key)

@@ -10,7 +10,7 @@ import torch
 
 from ninfer.runtime.manifest import RouteError
 from ninfer.runtime.tolerance import compare
-from tests.ops_cases import boundary_ts
+from tests.ops_cases import boundary_ts, gpu_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -51,12 +51,7 @@ def _table_ts(op, problem, fallback):
 
 
 def _instances(op):
-    from ninfer.runtime.cuda import device, gpu_available
-    from ninfer.runtime.manifest import Manifest
-    if not gpu_available():
-        return []
-    arch = device().arch
-    return sorted(k.instance for k in Manifest.load().kernels.values() if k.op == op and k.arch == arch)
+    return sorted(k.instance for k in gpu_kernels({op}))
 
 
 # ---- attn_qk_prep -------------------------------------------------------------------------------------
@@ -196,11 +191,8 @@ ROUTE_SCENARIOS = {
 
 def route_cases():
     """Every route instance on every problem its constraints admit (e.g. decode_cluster_dfix: D == 256 only)."""
-    from ninfer.runtime.cuda import device, gpu_available
-    from ninfer.runtime.manifest import Manifest, evaluate
-    if not gpu_available():
-        return []
-    kernels = {k.instance: k for k in Manifest.load().kernels.values() if k.op == "paged_attention" and k.arch == device().arch}
+    from ninfer.runtime.manifest import evaluate
+    kernels = {k.instance: k for k in gpu_kernels({"paged_attention"})}
     out = []
     for inst in sorted(kernels):
         for problem in (REAL_27B, REAL_35B, TINY, PAGE32, PAGE5):

@@ -12,6 +12,7 @@ from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
 from tests.gpu.gdn import clone
+from tests.ops_cases import gpu_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -78,15 +79,8 @@ def test_gdn_decode_table(be, shape, T):
 
 
 def route_cases():
-    from ninfer.runtime.cuda import device, gpu_available
-    from ninfer.runtime.manifest import Manifest
-    if not gpu_available():
-        return []
-    m, arch = Manifest.load(), device().arch
     cases = []
-    for k in sorted(m.kernels.values(), key=lambda k: k.key):
-        if k.arch != arch or k.op != "gdn_decode":
-            continue
+    for k in gpu_kernels({"gdn_decode"}):
         for name, (H, hk, r, dk, dv) in SHAPES.items():
             env = {"H": H, "HK": hk, "R": r, "DK": dk, "DV": dv, "KW": KW}
             if all(evaluate(c, env) for c in k.constraints):

@@ -13,7 +13,7 @@ from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
 from tests.gpu.gdn import check_state_carried, clone
-from tests.ops_cases import boundary_ts
+from tests.ops_cases import boundary_ts, gpu_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -252,15 +252,8 @@ def table_cases():
 
 
 def route_cases():
-    from ninfer.runtime.cuda import device, gpu_available
-    from ninfer.runtime.manifest import Manifest
-    if not gpu_available():
-        return []
-    m, arch = Manifest.load(), device().arch
     cases = []
-    for k in sorted(m.kernels.values(), key=lambda k: k.key):
-        if k.arch != arch or k.op not in GDN_OPS:
-            continue
+    for k in gpu_kernels(GDN_OPS):
         for shape in SHAPES:
             for T in (1, 3, 64, 300):
                 env = {"T": T, **problem_of(k.op, shape), "C": channels(SHAPES[shape]), "KW": KW,

@@ -10,7 +10,7 @@ from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
 from tests.gpu.graphs import replay_then_eager
-from tests.ops_cases import PROBLEMS, boundary_ts, make_inputs, oracle
+from tests.ops_cases import PROBLEMS, boundary_ts, gpu_kernels, make_inputs, oracle
 
 pytestmark = pytest.mark.gpu
 ROUTE_TS = [1, 2, 3, 7, 8, 9, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000]
@@ -47,15 +47,8 @@ def table_cases():
 
 
 def route_cases():
-    from ninfer.runtime.cuda import device, gpu_available
-    from ninfer.runtime.manifest import Manifest
-    if not gpu_available():
-        return []
-    m, arch = Manifest.load(), device().arch
     cases = []
-    for k in sorted(m.kernels.values(), key=lambda k: k.key):
-        if k.arch != arch or k.op not in PROBLEMS:
-            continue
+    for k in gpu_kernels(PROBLEMS):
         for i, problem in enumerate(PROBLEMS[k.op]):  # the first problem at every T, the others at a few
             for T in ROUTE_TS if i == 0 else ROUTE_TS[::6]:
                 if all(evaluate(c, {"T": T, **problem}) for c in k.constraints):
