@@ -112,9 +112,8 @@ class GatedDeltaNet:
     def __init__(self, cfg: HybridConfig, w: dict, layer: int, conv_state, state):
         p = f"layers.{layer}.gdn."
         self.cfg = cfg
-        # [qkv | z] as one projection where fuse_weights could join them, else the two matrices
-        self.in_qkvz = w.get(p + "in_qkvz")
-        self.in_qkv, self.in_z = (None, None) if self.in_qkvz is not None else (w[p + "in_qkv"], w[p + "in_z"])
+        # [qkv | z]: one matrix where fuse_weights could join them, else the two
+        self.in_qkvz = [w[p + "in_qkvz"]] if p + "in_qkvz" in w else [w[p + "in_qkv"], w[p + "in_z"]]
         # b and a as one small projection (float roles: recipes never pack them) instead of two launches
         self.in_ba = torch.cat([w[p + "in_b"], w[p + "in_a"]], 0)
         self.conv, self.A_log, self.dt_bias = w[p + "conv"], w[p + "A_log"], w[p + "dt_bias"]
@@ -134,9 +133,8 @@ class GatedDeltaNet:
 
     def _qkvz(self, be, x):
         """[q | k | v | z] projected: [T, conv channels + HV·DV]."""
-        if self.in_qkvz is not None:
-            return linear(be, x, self.in_qkvz)
-        return torch.cat([linear(be, x, self.in_qkv), linear(be, x, self.in_z)], 1)
+        ys = [linear(be, x, m) for m in self.in_qkvz]
+        return ys[0] if len(ys) == 1 else torch.cat(ys, 1)
 
     def __call__(self, be, x, step: Step):
         if step.decode:

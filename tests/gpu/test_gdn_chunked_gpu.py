@@ -12,9 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.runtime import reference
-from ninfer.runtime.dispatch import ReferenceBackend
-from ninfer.runtime.tolerance import compare
-from tests.gpu.gdn import check_state_carried, clone
+from tests.gpu.gdn import check_against_reference, check_state_carried
 
 gpu = pytest.mark.gpu
 
@@ -142,17 +140,7 @@ def delta_inputs(shape, runs, seed, state=None, slots=None, gates="real"):
 
 def check(be, ts, route=None, what=""):
     """Run the kernel and the reference (cloned tensors); compare o and state under gdn_state_fp32."""
-    ref_ts = clone(ts)
-    plan = be.plan("gdn_delta_rule", route=route, **ts)
-    plan()
-    torch.cuda.synchronize()
-    ReferenceBackend(be.manifest).run("gdn_delta_rule", **ref_ts)
-    torch.cuda.synchronize()
-    preset = be.manifest.tolerances["gdn_state_fp32"]
-    for name in ("o", "state"):
-        v = compare(ts[name], ref_ts[name], preset, f"gdn_delta_rule.{name} {what} via {plan.kernel.instance}")
-        assert v, v.detail
-    return plan.kernel.instance
+    return check_against_reference(be, "gdn_delta_rule", ts, route, what)[0]
 
 
 @gpu

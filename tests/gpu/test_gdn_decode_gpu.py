@@ -8,10 +8,8 @@ import pytest
 import torch
 
 from ninfer.runtime.decode_graph import capture
-from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
-from ninfer.runtime.tolerance import compare
-from tests.gpu.gdn import clone
+from tests.gpu.gdn import check_against_reference, clone
 from tests.ops_cases import gpu_kernels
 
 pytestmark = pytest.mark.gpu
@@ -58,18 +56,11 @@ def decode_inputs(shape, T, seed, spare=3):
 
 
 def check(be, ts, route=None, what="", ref_ts=None):
-    """Run the kernel and the reference (on `ref_ts`, or a clone of ts); compare y, state and conv_state."""
-    ref_ts = clone(ts) if ref_ts is None else ref_ts
-    plan = be.plan("gdn_decode", route=route, **ts)
-    plan()
-    ReferenceBackend(be.manifest).run("gdn_decode", **ref_ts)
-    torch.cuda.synchronize()
-    preset = be.manifest.tolerances["gdn_state_fp32"]
-    for name in ("y", "state"):
-        v = compare(ts[name], ref_ts[name], preset, f"gdn_decode.{name} {what} via {plan.kernel.instance}")
-        assert v, v.detail
+    """Run the kernel and the reference (on `ref_ts`, or a clone of ts); compare y and state under
+    gdn_state_fp32, and the conv state exactly."""
+    used, ref_ts = check_against_reference(be, "gdn_decode", ts, route, what, ref_ts)
     assert torch.equal(ts["conv_state"], ref_ts["conv_state"]), f"conv_state differs {what}"
-    return plan.kernel.instance
+    return used
 
 
 @pytest.mark.parametrize("shape", list(SHAPES), ids=str)

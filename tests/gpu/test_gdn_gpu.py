@@ -12,7 +12,7 @@ from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.manifest import RouteError, evaluate
 from ninfer.runtime.tolerance import compare
-from tests.gpu.gdn import check_state_carried, clone
+from tests.gpu.gdn import check_against_reference, check_state_carried
 from tests.ops_cases import boundary_ts, gpu_kernels
 
 pytestmark = pytest.mark.gpu
@@ -64,22 +64,6 @@ def runs_for(T):
     if T <= 40:
         return [1, 2, 3, T - 6]
     return [1, 2, 3, (T - 6) // 3, T - 6 - (T - 6) // 3]
-
-
-def check_against_reference(be, op, ts, route=None, what=""):
-    """Run `op` on the GPU kernel and on the reference backend (cloned tensors), compare outputs and states."""
-    contract = be.contract(op)
-    ref_ts = clone(ts)
-    plan = be.plan(op, route=route, **ts)
-    plan()
-    torch.cuda.synchronize()
-    ReferenceBackend(be.manifest).run(op, **ref_ts)
-    torch.cuda.synchronize()
-    preset = be.manifest.tolerances[contract["tolerance"]]
-    for name in [*contract["outputs"], *contract["states"]]:
-        v = compare(ts[name], ref_ts[name], preset, f"{op}.{name} {what} via {plan.kernel.instance}")
-        assert v, v.detail
-    return plan.kernel.instance, ref_ts
 
 
 # ---------------------------------------------------------------------------------------------- inputs
