@@ -73,10 +73,9 @@ def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
     from ninfer.runtime.models.blocks import DEQUANT_MAX_BYTES
     from ninfer.runtime.reference_quant import PACKED
     from ninfer.runtime.weights import can_cat_rows
-    out = set()
+    out, stored = set(), dict(stored)
     if "lm_head" not in stored and cfg.tied_embeddings:
-        stored = {**stored, "lm_head": stored["embed"]}
-    stored = dict(stored)
+        stored["lm_head"] = stored["embed"]
     for qkv in [n for n in stored if n.endswith("gdn.in_qkv")]:   # GatedDeltaNet.fuse_weights
         z = qkv[:-len("qkv")] + "z"
         (sa, fa), (sb, fb) = stored[qkv], stored.get(z, ((), None))

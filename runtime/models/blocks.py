@@ -136,14 +136,20 @@ class GatedDeltaNet:
         ys = [linear(be, x, m) for m in self.in_qkvz]
         return ys[0] if len(ys) == 1 else torch.cat(ys, 1)
 
+    def _qkv_z(self, be, x):
+        """The conv channels [q | k | v] and z projected, each contiguous (prefill)."""
+        if len(self.in_qkvz) == 2:
+            return linear(be, x, self.in_qkvz[0]), linear(be, x, self.in_qkvz[1])
+        qkvz = linear(be, x, self.in_qkvz[0])
+        channels = self.conv.shape[0]
+        return qkvz[:, :channels].contiguous(), qkvz[:, channels:].contiguous()
+
     def __call__(self, be, x, step: Step):
         if step.decode:
             return self.decode(be, x, step)
         c = self.cfg
         T = x.shape[0]
-        qkvz = self._qkvz(be, x)
-        channels = 2 * c.k_heads * c.k_dim + c.v_heads * c.v_dim
-        mixed, z = qkvz[:, :channels].contiguous(), qkvz[:, channels:].contiguous()
+        mixed, z = self._qkv_z(be, x)
         ba = linear(be, x, self.in_ba)
         qkv = torch.empty_like(mixed)
         be.run("gdn_conv", x=mixed, w=self.conv, query_start=step.query_start, slots=step.state_slots,
