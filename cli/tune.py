@@ -217,18 +217,21 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> Non
     root = Path(specs_dir) if specs_dir else ROOT / "specs"
     name = f"{gpu_slug(gpu)}.yaml"
     existing = root / "tuned" / name
-    if existing.is_file():    # keep the previous tables of problems this run did not measure
-        tables = _merge(existing, tables)
+    if existing.is_file():    # keep the previous tables of problems this run did not measure, and their runs' notes
+        tables, note = _merge(existing, tables, note, source)
     dest = write_validated(root, ROOT / "codegen" / "templates", name, render(gpu, arch, note, tables))
     click.echo(f"wrote {dest}: {len(tables)} tables; run `make generate` to use them")
 
 
-def _merge(existing: Path, tables: list[dict]) -> list[dict]:
+def _merge(existing: Path, tables: list[dict], note: str, source: str) -> tuple[list[dict], str]:
+    """The existing file's tables of other problems, then this run's; its `measured` notes of other sources
+    (runs joined by "; "), then this run's."""
     import yaml
     old = yaml.safe_load(existing.read_text(encoding="utf-8")) or {}
     new_keys = {(t["op"], tuple(sorted(t["problem"].items()))) for t in tables}
     kept = [t for t in old.get("tables", []) if (t["op"], tuple(sorted(t.get("problem", {}).items()))) not in new_keys]
-    return kept + tables
+    notes = [n for n in str(old.get("measured") or "").split("; ") if n and f", {source}, " not in n]
+    return kept + tables, "; ".join(notes + [note])
 
 
 if __name__ == "__main__":

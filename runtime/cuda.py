@@ -88,6 +88,13 @@ class Module:
             check(driver.cuFuncSetAttribute(
                 self.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                 f"cuFuncSetAttribute({symbol}, smem={smem})")
+        # a compiled-in cluster of more than 8 blocks (sm_90: up to 16) launches only with the opt-in
+        width = check(driver.cuFuncGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH,
+                                                self.function), f"cuFuncGetAttribute({symbol})")
+        if width > 8:
+            check(driver.cuFuncSetAttribute(
+                self.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                f"cuFuncSetAttribute({symbol}, non-portable cluster of {width})")
 
 
 @functools.lru_cache(maxsize=64)

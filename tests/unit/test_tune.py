@@ -3,7 +3,7 @@ valid table is picked on its GPU only, a broken one is refused by name and leave
 was. (The timing itself needs a GPU: it ran on the H200, see specs/tuned/.)"""
 import pytest
 
-from ninfer.cli.tune import artifact_problems, build_spans, gpu_slug, model_problems, render, write_validated
+from ninfer.cli.tune import _merge, artifact_problems, build_spans, gpu_slug, model_problems, render, write_validated
 from ninfer.codegen.render import build_manifest_and_sources
 from ninfer.codegen.specs import load_specs
 from ninfer.codegen.yamlio import SpecError
@@ -20,6 +20,25 @@ def test_spans_cover_every_t_once_and_merge_neighbours():
     for bad in ([2, 4], [1, 4, 4], [1, 3, 2]):
         with pytest.raises(ValueError):
             build_spans(bad, ["a"] * len(bad))
+
+
+def test_a_new_run_keeps_the_other_problems_and_notes(tmp_path):
+    """Tuning one model after another keeps the first model's tables and its note; re-tuning a problem
+    replaces its table, and a source's earlier note is replaced by its new one."""
+    a = {"op": "linear_q4", "problem": {"N": 5120, "K": 6144}, "spans": [{"from": 1, "to": None, "use": "gemv.t1"}]}
+    b = {"op": "linear_q4", "problem": {"N": 2048, "K": 4096}, "spans": [{"from": 1, "to": None, "use": "gemv.t1"}]}
+    f = tmp_path / "gpu.yaml"
+    f.write_text(render(GPU, "sm_90a", "2026-11-30, qwen3.6-27b q4, grid 1,2", [a]), encoding="utf-8")
+    def shown(ts):  # the file also gives each table its dtypes
+        return [{k: t[k] for k in ("op", "problem", "spans")} for t in ts]
+    tables, note = _merge(f, [b], "2026-12-01, qwen3.6-35b-a3b q4, grid 1,2", "qwen3.6-35b-a3b q4")
+    assert shown(tables) == [a, b]
+    assert note == "2026-11-30, qwen3.6-27b q4, grid 1,2; 2026-12-01, qwen3.6-35b-a3b q4, grid 1,2"
+    f.write_text(render(GPU, "sm_90a", note, tables), encoding="utf-8")
+    a2 = {**a, "spans": [{"from": 1, "to": None, "use": "gemv.t8p"}]}
+    tables, note = _merge(f, [a2], "2026-12-02, qwen3.6-27b q4, grid 1,2,3", "qwen3.6-27b q4")
+    assert shown(tables) == [b, a2]
+    assert note == "2026-12-01, qwen3.6-35b-a3b q4, grid 1,2; 2026-12-02, qwen3.6-27b q4, grid 1,2,3"
 
 
 def test_model_problems_are_the_linear_shapes():
