@@ -190,6 +190,28 @@ def moe_experts(x, gate_up, down, weights, ids):
     return {"y": y}
 
 
+def moe_gate_up(x, gate_up, ids):
+    """h[t, k] = silu(gate) * up of expert ids[t, k] (0 for an id outside [0, E)): moe_experts split in two."""
+    inter = gate_up.shape[1] // 2
+    h = x.new_zeros(*ids.shape, inter)
+    for e in torch.unique(ids).tolist():
+        if 0 <= e < gate_up.shape[0]:
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            gu = x[tok] @ gate_up[e].T
+            h[tok, slot] = F.silu(gu[:, :inter]) * gu[:, inter:]
+    return {"h": h}
+
+
+def moe_down(h, down, weights, ids):
+    """y[t] = sum over slots of weights[t, k] * down[ids[t, k]] . h[t, k] (slots with an id outside [0, E) skipped)."""
+    y = h.new_zeros(h.shape[0], down.shape[1])
+    for e in torch.unique(ids).tolist():
+        if 0 <= e < down.shape[0]:
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            y.index_add_(0, tok, (h[tok, slot] @ down[e].T) * weights[tok, slot][:, None].to(h.dtype))
+    return {"y": y}
+
+
 def sigmoid_gate_add(a, b, g):
     return {"y": a + torch.sigmoid(g) * b}
 

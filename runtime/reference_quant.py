@@ -10,7 +10,7 @@ import torch
 
 from .format_base import K_ALIGN, align_up
 from .formats import get_format
-from .reference import REFERENCES, linear, moe_experts
+from .reference import REFERENCES, linear, moe_down, moe_experts, moe_gate_up
 
 PACKED = ("q4", "q5", "q6", "w8", "fp8")
 
@@ -84,6 +84,20 @@ def _moe_ref(gu_fmt, dn_fmt):
     return ref
 
 
+def _moe_split_refs(fmt):
+    """moe_gate_up_<fmt> and moe_down_<fmt>: the two halves of moe_experts_<fmt> (the decode form)."""
+    def gate_up_ref(x, gate_up, ids, dims):
+        e, i, h = dims["E"], dims["I"], dims["H"]
+        return moe_gate_up(x, unpack(fmt, gate_up, e * 2 * i, h).to(x.dtype).reshape(e, 2 * i, h), ids)
+
+    def down_ref(h, down, weights, ids, dims):
+        e, i, hd = dims["E"], dims["I"], dims["H"]
+        return moe_down(h, unpack(fmt, down, e * hd, i).to(h.dtype).reshape(e, hd, i), weights, ids)
+    gate_up_ref.__name__, down_ref.__name__ = f"moe_gate_up_{fmt}", f"moe_down_{fmt}"
+    return [gate_up_ref, down_ref]
+
+
 QUANT_REFERENCES = {f.__name__: f for f in [*(_linear_ref(fmt) for fmt in PACKED), *(_dequant_ref(fmt) for fmt in PACKED),
-                                             *(_moe_ref(*p) for p in MOE_PAIRS)]}
+                                             *(_moe_ref(*p) for p in MOE_PAIRS),
+                                             *(f for fmt in PACKED for f in _moe_split_refs(fmt))]}
 ALL_REFERENCES = {**REFERENCES, **QUANT_REFERENCES}

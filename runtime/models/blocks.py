@@ -40,6 +40,13 @@ DEQUANT_MIN_T = 256
 DEQUANT_MAX_BYTES = 512 << 20
 
 
+# Packed MoE experts up to this many tokens run split in two launches (moe_gate_up_<fmt>, moe_down_<fmt>) whose
+# blocks cover every SM; above it the token-centric moe_experts_<fmt> (one block or cluster per token) is used.
+# 0 (always the single op) until the split kernels have passed their GPU tests and the crossover is measured on
+# the H200: they were written in a session without a GPU (PERF_NOTES.md, session 8).
+MOE_SPLIT_MAX_T = 0
+
+
 def dequant_scratch_bytes(weights: dict) -> int:
     """The largest bf16 scratch a prefill decodes a packed matrix into (linear below): memory planning keeps it free."""
     sizes = [2 * w.matrix[0] * w.matrix[1] for w in weights.values() if isinstance(w, PackedWeight)]
@@ -211,7 +218,11 @@ class SparseMoE:
         ids = new(x, T, c.experts_per_token, dtype=torch.int32)
         be.run("moe_topk", logits=logits, weights=weights, ids=ids, renormalize=int(c.renormalize_topk))
         y = torch.empty_like(x)
-        if isinstance(self.gate_up, PackedWeight):
+        if isinstance(self.gate_up, PackedWeight) and T <= MOE_SPLIT_MAX_T:
+            h = new(x, T, c.experts_per_token, c.expert_intermediate, dtype=torch.float32)
+            be.run(f"moe_gate_up_{self.gate_up.fmt}", x=x, gate_up=self.gate_up.data, ids=ids, h=h, E=c.experts)
+            be.run(f"moe_down_{self.down.fmt}", h=h, down=self.down.data, weights=weights, ids=ids, y=y, E=c.experts)
+        elif isinstance(self.gate_up, PackedWeight):
             be.run(moe_op(self.gate_up.fmt, self.down.fmt), x=x, gate_up=self.gate_up.data, down=self.down.data,
                    weights=weights, ids=ids, y=y, E=c.experts, I=c.expert_intermediate)
         else:

@@ -50,3 +50,33 @@ def test_the_reference_backend_decodes_packed_weights_at_load_by_default(tmp_pat
         assert not any(isinstance(w, PackedWeight) for w in eng.weights.values())
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("fmt", [None, "q6"])
+def test_the_split_moe_path_computes_the_single_op(tmp_path, monkeypatch, fmt):
+    """The decode form of the packed experts (moe_gate_up_<fmt> + moe_down_<fmt>, used up to MOE_SPLIT_MAX_T
+    tokens) gives the logits and greedy tokens of the single op moe_experts_<fmt>."""
+    from ninfer.runtime.models import blocks
+    d = build("moe", tmp_path / "ckpt")
+    art = tmp_path / "moe.ninfer"
+    plan = plan_conversion(d, fmt=fmt)
+    convert(plan, art)
+    plan.checkpoint.close()
+    eng = Engine(art, backend="reference", max_context=64, packed_weights=True)
+    try:
+        ids = list(range(3, 40, 2))
+        calls = []
+        run = eng.be.run
+        monkeypatch.setattr(eng.be, "run", lambda op, **kw: (calls.append(op), run(op, **kw))[1])
+        monkeypatch.setattr(blocks, "MOE_SPLIT_MAX_T", 0)
+        single_logits = eng.score(ids)
+        single = eng.generate([ids[:7]], max_new=8)[0].generated
+        assert not any(op.startswith(("moe_gate_up_", "moe_down_")) for op in calls)
+        monkeypatch.setattr(blocks, "MOE_SPLIT_MAX_T", 64)
+        calls.clear()
+        assert torch.allclose(eng.score(ids), single_logits, rtol=1e-4, atol=1e-5)
+        assert eng.generate([ids[:7]], max_new=8)[0].generated == single
+        assert any(op.startswith("moe_gate_up_") for op in calls) and any(op.startswith("moe_down_") for op in calls)
+        assert not any(op.startswith("moe_experts") for op in calls)
+    finally:
+        eng.close()

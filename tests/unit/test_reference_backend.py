@@ -101,3 +101,36 @@ def test_moe_router_logits_are_fp32_and_moe_topk_reads_them(be):
     assert torch.equal(ids, logits.topk(2, dim=-1).indices.int())
     with pytest.raises(ContractError, match="moe_topk: argument logits has dtype torch.bfloat16, expected torch.float32"):
         be.run("moe_topk", logits=logits.bfloat16(), weights=weights, ids=ids)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q6", "fp8"])
+def test_moe_split_halves_compose_to_moe_experts(be, fmt):
+    """moe_gate_up_<fmt> then moe_down_<fmt> (the decode form) computes moe_experts_<fmt>; a slot whose id is
+    outside [0, E) gets h = 0 and adds nothing (as a valid slot of weight 0 would)."""
+    import numpy as np
+
+    from ninfer.runtime import formats
+    T, H, E, I, K = 5, 72, 6, 40, 3
+    rng = np.random.default_rng(11)
+    gate_up = torch.from_numpy(formats.encode(fmt, rng.standard_normal((E * 2 * I, H), dtype=np.float32) * 0.1))
+    down = torch.from_numpy(formats.encode(fmt, rng.standard_normal((E * H, I), dtype=np.float32) * 0.1))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
+    ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(T)]).int()
+    weights = torch.softmax(torch.randn(T, K, generator=torch.Generator().manual_seed(2)), -1)
+    h = torch.full((T, K, I), float("nan"))
+    y = torch.full((T, H), float("nan"))
+    be.run(f"moe_gate_up_{fmt}", x=x, gate_up=gate_up, ids=ids, h=h, E=E)
+    be.run(f"moe_down_{fmt}", h=h, down=down, weights=weights, ids=ids, y=y, E=E)
+    want = torch.full((T, H), float("nan"))
+    be.run(f"moe_experts_{fmt}", x=x, gate_up=gate_up, down=down, weights=weights, ids=ids, y=want, E=E, I=I)
+    assert torch.allclose(y, want, rtol=1e-5, atol=1e-6)
+
+    bad = ids.clone()
+    bad[1, 2], bad[3, 0] = -1, E
+    be.run(f"moe_gate_up_{fmt}", x=x, gate_up=gate_up, ids=bad, h=h, E=E)
+    be.run(f"moe_down_{fmt}", h=h, down=down, weights=weights, ids=bad, y=y, E=E)
+    assert (h[1, 2] == 0).all() and (h[3, 0] == 0).all()
+    zeroed = weights.clone()
+    zeroed[1, 2] = zeroed[3, 0] = 0
+    be.run(f"moe_experts_{fmt}", x=x, gate_up=gate_up, down=down, weights=zeroed, ids=ids, y=want, E=E, I=I)
+    assert torch.allclose(y, want, rtol=1e-5, atol=1e-6)
