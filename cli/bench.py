@@ -1,4 +1,5 @@
-"""`ninfer-bench ops`: time every route of every op at real Qwen3.6-27B shapes on the GPU.
+"""`ninfer-bench ops`: time every route of every op at real Qwen3.6-27B shapes (the MoE expert ops at the
+35B-A3B shape) on the GPU.
 
 Each figure is the median of CUDA-event timings of CUDA-graph replays (20 launches per graph, so no host
 overhead sits between kernels) after warm-up, printed next to the ceilings measured
@@ -16,6 +17,7 @@ import click
 
 from ninfer.cli.bench_serve import serve_cmd
 
+MOE_35B = {"H": 2048, "E": 256, "I": 512, "K": 8}
 # (op, problem dims, T values) at the Qwen3.6-27B shapes (hidden 5120, MLP 17408, 24x256 q+gate heads).
 CASES = [
     ("linear", {"N": 17408, "K": 5120}, [1, 2, 4, 8, 16, 64, 128, 512, 2048, 4096]),
@@ -34,6 +36,9 @@ CASES = [
     *((f"linear_{f}", {"N": 17408, "K": 5120}, [1, 4096]) for f in ("q5", "q6", "w8", "fp8")),
     ("gdn_delta_rule", {"HV": 48, "DK": 128, "DV": 128}, [1, 8, 31, 32, 1024]),   # one sequence of T tokens
     ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 2, 4, 8]),   # T sequences at ATTN_CONTEXT
+    # the routed experts of a 35B-A3B MoE layer: the single op, and its split decode form (gate_up, then down)
+    *((op, MOE_35B, [1, 2, 4, 8, 16, 32, 64]) for op in ("moe_experts_q4", "moe_gate_up_q4", "moe_down_q4")),
+    *((op, MOE_35B, [1, 8]) for op in ("moe_experts_q4_q5", "moe_down_q5")),
 ]
 ATTN_CONTEXT = 8192
 GDN_K_HEADS = 16
@@ -92,7 +97,15 @@ def rotating_sets(base: dict, factor: int = 3, most: int = 8) -> list[dict]:
 
 
 def _bytes(op, tensors, dims) -> int:
-    """Fewest bytes the op must move: each input read once, each output written once."""
+    """Fewest bytes the op must move: each input read once, each output written once (MoE experts: only the
+    experts the tokens choose)."""
+    if op.startswith("moe_"):
+        from ninfer.runtime.formats import nbytes
+        gfmt, dfmt = _moe_formats(op)
+        per_expert = ((nbytes(gfmt, (2 * dims["I"], dims["H"])) if gfmt else 0)
+                      + (nbytes(dfmt, (dims["H"], dims["I"])) if dfmt else 0))
+        acts = sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in ("gate_up", "down"))
+        return tensors["ids"].unique().numel() * per_expert + acts
     if op == "embedding":  # only the gathered rows of the table are read
         return tensors["ids"].numel() * 4 + 2 * tensors["y"].numel() * tensors["y"].element_size()
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -107,6 +120,8 @@ def _make(torch, contract, dtype, dims, rng, op=""):
         return _make_gdn(torch, dims, rng)
     if op == "paged_attention":
         return _make_attention(torch, dims, rng)
+    if op.startswith("moe_"):
+        return _make_moe(torch, contract, op, dims, rng)
     packed = op.split("_", 1)[1] if op.startswith("linear_") else None
     if packed:
         dims["WB"] = nbytes(packed, (dims["N"], dims["K"]))
@@ -159,7 +174,51 @@ def _make_attention(torch, dims, rng):
             "o": torch.empty(T, nh, d, device=dev, dtype=torch.bfloat16)}
 
 
-OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5}}
+def _moe_formats(op: str) -> tuple[str | None, str | None]:
+    """(gate_up format, down format) an expert op reads: moe_experts_q4, moe_experts_q4_q5, moe_gate_up_q4
+    (no down), moe_down_q5 (no gate_up)."""
+    if op.startswith("moe_experts_"):
+        fmts = op.split("_")[2:]
+        return fmts[0], fmts[-1]
+    fmt = op.rsplit("_", 1)[1]
+    return (fmt, None) if op.startswith("moe_gate_up_") else (None, fmt)
+
+
+def _moe_routing(torch, dims, rng) -> dict:
+    """Fresh activations and routing: K distinct experts per token, softmax weights."""
+    T, H, E, I, K = (dims[d] for d in ("T", "H", "E", "I", "K"))
+    dev = rng.device
+    return {"x": torch.randn(T, H, device=dev, generator=rng).bfloat16(),
+            "ids": torch.rand(T, E, device=dev, generator=rng).argsort(-1)[:, :K].int().contiguous(),
+            "weights": torch.softmax(torch.randn(T, K, device=dev, generator=rng), -1).contiguous(),
+            "h": torch.randn(T, K, I, device=dev, generator=rng),
+            "y": torch.empty(T, H, device=dev, dtype=torch.bfloat16)}
+
+
+def _make_moe(torch, contract, op, dims, rng):
+    """Random packed experts of every E and one token batch's routing (the tensors the contract names)."""
+    from ninfer.runtime.weights import random_packed
+    H, E, I = dims["H"], dims["E"], dims["I"]
+    gfmt, dfmt = _moe_formats(op)
+    ts = _moe_routing(torch, dims, rng)
+    if gfmt:
+        ts["gate_up"] = random_packed(gfmt, (E * 2 * I, H), rng.device, rng, H ** -0.5).data
+    if dfmt:
+        ts["down"] = random_packed(dfmt, (E * H, I), rng.device, rng, I ** -0.5).data
+    return {k: v for k, v in ts.items() if k in contract["inputs"] or k in contract["outputs"]}
+
+
+def _moe_sets(torch, base, dims, rng, n: int = 8) -> list[dict]:
+    """`base` and n-1 sets with the same expert weights (hundreds of MB) but their own routing, so launches
+    that cycle through them read other experts each time instead of the last launch's from the L2."""
+    return [base] + [{**base, **{k: v for k, v in _moe_routing(torch, dims, rng).items() if k in base}}
+                     for _ in range(n - 1)]
+
+
+OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5},
+             # expert counts the MoE contracts take by name
+             **{op: {"E": MOE_35B["E"], **({"I": MOE_35B["I"]} if op.startswith("moe_experts_") else {})}
+                for op, problem, _ in CASES if op.startswith("moe_")}}
 
 
 def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
@@ -173,7 +232,7 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
     dev = be.device
     click.echo(f"# {dev.name} ({dev.arch}, {dev.sm_count} SMs); measured ceilings: copy {copy_gbs:,.0f} GB/s "
                f"(read+write), bf16 GEMM {gemm_tflops:,.0f} TFLOP/s (torch)")
-    click.echo(f"{'op':<13}{'problem':<18}{'T':>7}  {'route':<18}{'us':>9}{'GB/s':>8}{'%bw':>6}{'TFLOP/s':>9}{'%peak':>7}")
+    click.echo(f"{'op':<18}{'problem':<18}{'T':>7}  {'route':<18}{'us':>9}{'GB/s':>8}{'%bw':>6}{'TFLOP/s':>9}{'%peak':>7}")
     rows = []
     rng = torch.Generator(device="cuda")
     rng.manual_seed(0)
@@ -190,7 +249,7 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
                 if sets is None:
                     base = _make(torch, contract, "bf16", dims, rng, op)
                     nbytes = _bytes(op, base, dims)
-                    sets = rotating_sets(base)
+                    sets = _moe_sets(torch, base, dims, rng) if op.startswith("moe_") else rotating_sets(base)
                 try:
                     plans = [be.plan(op, route=inst, **s, **OP_PARAMS.get(op, {})) for s in sets]
                 except RouteError:
@@ -203,7 +262,7 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
                        "TFLOP/s": flops / secs / 1e12, "peak_frac": flops / secs / 1e12 / gemm_tflops}
                 rows.append(row)
                 mark = "*" if inst == chosen else " "
-                click.echo(f"{op:<13}{json.dumps(problem, separators=(',', ':')):<18}{T:>7}  {mark}{inst:<17}"
+                click.echo(f"{op:<18}{json.dumps(problem, separators=(',', ':')):<18}{T:>7}  {mark}{inst:<17}"
                            f"{row['us']:>9.1f}{gbs:>8.0f}{100 * row['bw_frac']:>5.0f}%"
                            f"{row['TFLOP/s']:>9.1f}{100 * row['peak_frac']:>6.0f}%")
             del sets

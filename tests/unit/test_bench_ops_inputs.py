@@ -1,0 +1,40 @@
+"""The inputs `ninfer-bench ops` times the MoE expert ops on (built on the CPU here; the GPU uses the same code)."""
+import torch
+
+from ninfer.cli.bench import _bytes, _make_moe, _moe_sets
+from ninfer.runtime.dispatch import ReferenceBackend
+from ninfer.runtime.formats import nbytes
+
+DIMS = {"T": 3, "H": 128, "E": 16, "I": 64, "K": 4}
+
+
+def test_moe_inputs_follow_the_contract_and_rotate_only_the_routing():
+    be = ReferenceBackend()
+    rng = torch.Generator().manual_seed(0)
+    for op in ("moe_experts_q4_q5", "moe_gate_up_q4", "moe_down_q5"):
+        contract = be.contract(op)
+        base = _make_moe(torch, contract, op, dict(DIMS), rng)
+        assert set(base) == set(contract["inputs"]) | set(contract["outputs"])
+        # every token routes to K distinct experts
+        assert all(len(set(row)) == DIMS["K"] for row in base["ids"].tolist())
+        sets = _moe_sets(torch, base, DIMS, rng, n=4)
+        assert len(sets) == 4 and all(set(s) == set(base) for s in sets)
+        for s in sets[1:]:
+            for k in ("gate_up", "down"):
+                if k in base:
+                    assert s[k] is base[k]                      # the weights are shared, not copied
+            assert not torch.equal(s["ids"], base["ids"])         # the routing is fresh
+        # the op runs on these inputs (the reference backend, as the cuda one would on the GPU)
+        params = {"E": DIMS["E"], **({"I": DIMS["I"]} if op.startswith("moe_experts_") else {})}
+        be.run(op, **base, **params)
+
+
+def test_moe_bytes_count_only_the_chosen_experts():
+    be = ReferenceBackend()
+    rng = torch.Generator().manual_seed(1)
+    op = "moe_experts_q4_q5"
+    base = _make_moe(torch, be.contract(op), op, dict(DIMS), rng)
+    chosen = base["ids"].unique().numel()
+    per_expert = nbytes("q4", (2 * DIMS["I"], DIMS["H"])) + nbytes("q5", (DIMS["H"], DIMS["I"]))
+    acts = sum(base[k].numel() * base[k].element_size() for k in ("x", "weights", "ids", "y"))
+    assert _bytes(op, base, DIMS) == chosen * per_expert + acts
