@@ -368,7 +368,7 @@ def _graph_profile(torch, eng, live, step_secs: float, steps: int = 8) -> None:
 
 
 def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_prompt: int, steps: int,
-                json_out: str | None, fmt: str = "bf16", profile: int = 0) -> None:
+                json_out: str | None, fmt: str = "bf16", profile: int = 0, prefill_chunk: int = 1024) -> None:
     import time
 
     import torch
@@ -381,10 +381,11 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
     weights = random_weights(cfg, "cuda", fmt=fmt)
     ctx = max(max(prompts), decode_prompt + steps + 8) + 16
     eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
-                              max_seqs=max(concurrency))
+                              max_seqs=max(concurrency), prefill_chunk=prefill_chunk)
     dev = eng.be.device
     click.echo(f"# {shape} ({fmt} synthetic weights) on {dev.name}; ceilings measured: copy {copy_gbs:,.0f} GB/s, "
-               f"bf16 GEMM {gemm_tflops:,.0f} TFLOP/s; KV pages {eng.cache.num_pages} x {eng.cache.page_size}")
+               f"bf16 GEMM {gemm_tflops:,.0f} TFLOP/s; KV pages {eng.cache.num_pages} x {eng.cache.page_size}; "
+               f"prefill chunk {prefill_chunk}")
     rng = torch.Generator().manual_seed(0)
     rows = []
 
@@ -454,7 +455,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             eng.release(s)
     if json_out:
         with open(json_out, "w") as f:
-            json.dump({"shape": shape, "device": dev.name, "weights": fmt, "copy_GBps": copy_gbs,
+            json.dump({"shape": shape, "device": dev.name, "weights": fmt, "prefill_chunk": prefill_chunk, "copy_GBps": copy_gbs,
                        "gemm_TFLOPs": gemm_tflops, "rows": rows}, f, indent=1)
 
 
@@ -468,15 +469,17 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
               show_default=True, help="format of the quantizable matrices (random packed bytes)")
 @click.option("--profile", type=int, default=0, help="also time each op of one prefill of this many tokens and "
               "of one decode step (eager)")
+@click.option("--prefill-chunk", type=click.IntRange(1), default=1024, show_default=True,
+              help="prompt tokens per prefill step (each step decodes every packed matrix once for the GEMMs)")
 @click.option("--json", "json_out", type=click.Path())
-def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, json_out) -> None:
+def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, prefill_chunk, json_out) -> None:
     """Prefill and decode tok/s of the whole model at real shapes with synthetic weights."""
     from ninfer.runtime.cuda import gpu_available
     if not gpu_available():
         click.echo("ninfer-bench model: needs a CUDA GPU (none found)", err=True)
         sys.exit(2)
     bench_model(shape, [int(x) for x in prompts.split(",")], [int(x) for x in concurrency.split(",")],
-                decode_prompt, steps, json_out, fmt, profile)
+                decode_prompt, steps, json_out, fmt, profile, prefill_chunk)
 
 
 main.add_command(serve_cmd)   # `ninfer-bench serve` (cli/bench_serve.py)
