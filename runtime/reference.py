@@ -212,6 +212,29 @@ def moe_down(h, down, weights, ids):
     return {"y": y}
 
 
+def moe_align(ids, dims):
+    """The (token, slot) pairs sorted by expert (stable; ids outside [0, E) last) and each expert's end offset."""
+    E = dims["E"]
+    flat = ids.flatten().long()
+    valid = (flat >= 0) & (flat < E)
+    order = torch.sort(torch.where(valid, flat, E), stable=True).indices
+    offsets = torch.bincount(flat[valid], minlength=E).cumsum(0)
+    return {"order": order.to(torch.int32).view(ids.shape), "offsets": offsets.to(torch.int32)}
+
+
+def ids_of(order, offsets):
+    """The ids moe_align sorted: each listed pair's expert (E for the pairs after offsets[E-1])."""
+    pos = torch.arange(order.numel(), device=order.device)
+    experts = torch.searchsorted(offsets.long(), pos, right=True)
+    ids = torch.empty(order.numel(), dtype=torch.long, device=order.device)
+    ids[order.flatten().long()] = experts
+    return ids.view(order.shape)
+
+
+def moe_sum(ys):
+    return {"y": ys.sum(1)}
+
+
 def sigmoid_gate_add(a, b, g):
     return {"y": a + torch.sigmoid(g) * b}
 
@@ -260,5 +283,5 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
 
 REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
                                       attn_qk_prep, kv_cache_write, paged_attention, gdn_conv, gdn_gates,
-                                      gdn_delta_rule, gdn_gated_norm, gdn_decode, moe_router, moe_topk, moe_experts,
+                                      gdn_delta_rule, gdn_gated_norm, gdn_decode, moe_router, moe_topk, moe_experts, moe_align, moe_sum,
                                       sigmoid_gate_add, argmax, sample)}

@@ -10,7 +10,7 @@ import torch
 
 from .format_base import K_ALIGN, align_up
 from .formats import get_format
-from .reference import REFERENCES, linear, moe_down, moe_experts, moe_gate_up
+from .reference import REFERENCES, ids_of, linear, moe_down, moe_experts, moe_gate_up
 
 PACKED = ("q4", "q5", "q6", "w8", "fp8")
 
@@ -85,16 +85,28 @@ def _moe_ref(gu_fmt, dn_fmt):
 
 
 def _moe_split_refs(fmt):
-    """moe_gate_up_<fmt> and moe_down_<fmt>: the two halves of moe_experts_<fmt> (the decode form)."""
+    """moe_gate_up_<fmt> and moe_down_<fmt>, the two halves of moe_experts_<fmt> (the decode form), and their
+    grouped forms over moe_align's order (prefill; the down form keeps each slot's output for moe_sum)."""
+    def experts(w, rows, cols, dims, like):
+        return unpack(fmt, w, dims["E"] * rows, cols).to(like.dtype).reshape(dims["E"], rows, cols)
+
     def gate_up_ref(x, gate_up, ids, dims):
-        e, i, h = dims["E"], dims["I"], dims["H"]
-        return moe_gate_up(x, unpack(fmt, gate_up, e * 2 * i, h).to(x.dtype).reshape(e, 2 * i, h), ids)
+        return moe_gate_up(x, experts(gate_up, 2 * dims["I"], dims["H"], dims, x), ids)
 
     def down_ref(h, down, weights, ids, dims):
-        e, i, hd = dims["E"], dims["I"], dims["H"]
-        return moe_down(h, unpack(fmt, down, e * hd, i).to(h.dtype).reshape(e, hd, i), weights, ids)
+        return moe_down(h, experts(down, dims["H"], dims["I"], dims, h), weights, ids)
+
+    def gate_up_grouped_ref(x, gate_up, order, offsets, dims):
+        return gate_up_ref(x, gate_up, ids_of(order, offsets), dims)
+
+    def down_grouped_ref(h, down, weights, order, offsets, dims):
+        """Each slot's weighted down projection on its own: moe_down of that slot alone."""
+        ids, dn = ids_of(order, offsets), experts(down, dims["H"], dims["I"], dims, h)
+        return {"ys": torch.stack([moe_down(h[:, k:k + 1], dn, weights[:, k:k + 1], ids[:, k:k + 1])["y"]
+                                   for k in range(ids.shape[1])], 1)}
     gate_up_ref.__name__, down_ref.__name__ = f"moe_gate_up_{fmt}", f"moe_down_{fmt}"
-    return [gate_up_ref, down_ref]
+    gate_up_grouped_ref.__name__, down_grouped_ref.__name__ = f"moe_gate_up_grouped_{fmt}", f"moe_down_grouped_{fmt}"
+    return [gate_up_ref, down_ref, gate_up_grouped_ref, down_grouped_ref]
 
 
 QUANT_REFERENCES = {f.__name__: f for f in [*(_linear_ref(fmt) for fmt in PACKED), *(_dequant_ref(fmt) for fmt in PACKED),

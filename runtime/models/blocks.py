@@ -40,11 +40,14 @@ DEQUANT_MIN_T = 256
 DEQUANT_MAX_BYTES = 512 << 20
 
 
-# Packed MoE experts up to this many tokens run split in two launches (moe_gate_up_<fmt>, moe_down_<fmt>) whose
-# blocks cover every SM; above it the token-centric moe_experts_<fmt> (one block or cluster per token) is used.
-# 0 (always the single op) until the split kernels have passed their GPU tests and the crossover is measured on
-# the H200: they were written in a session without a GPU (PERF_NOTES.md, session 8).
+# Packed MoE experts (SparseMoE.packed_experts): up to MOE_SPLIT_MAX_T tokens they run split in two launches
+# (moe_gate_up_<fmt>, moe_down_<fmt>) whose blocks cover every SM; from MOE_GROUPED_MIN_T tokens on, grouped by
+# expert (moe_align, moe_gate_up_grouped_<fmt>, moe_down_grouped_<fmt>, moe_sum); in between, and while a form
+# is off (0 / None), the token-centric single op moe_experts_<fmt>. Both forms stay off until their kernels have
+# passed their GPU tests and the crossovers are measured on the H200: they were written in a session without a
+# GPU (PERF_NOTES.md, session 8).
 MOE_SPLIT_MAX_T = 0
+MOE_GROUPED_MIN_T = None
 
 
 def dequant_scratch_bytes(weights: dict) -> int:
@@ -218,16 +221,31 @@ class SparseMoE:
         ids = new(x, T, c.experts_per_token, dtype=torch.int32)
         be.run("moe_topk", logits=logits, weights=weights, ids=ids, renormalize=int(c.renormalize_topk))
         y = torch.empty_like(x)
-        if isinstance(self.gate_up, PackedWeight) and T <= MOE_SPLIT_MAX_T:
-            h = new(x, T, c.experts_per_token, c.expert_intermediate, dtype=torch.float32)
-            be.run(f"moe_gate_up_{self.gate_up.fmt}", x=x, gate_up=self.gate_up.data, ids=ids, h=h, E=c.experts)
-            be.run(f"moe_down_{self.down.fmt}", h=h, down=self.down.data, weights=weights, ids=ids, y=y, E=c.experts)
-        elif isinstance(self.gate_up, PackedWeight):
-            be.run(moe_op(self.gate_up.fmt, self.down.fmt), x=x, gate_up=self.gate_up.data, down=self.down.data,
-                   weights=weights, ids=ids, y=y, E=c.experts, I=c.expert_intermediate)
+        if isinstance(self.gate_up, PackedWeight):
+            self.packed_experts(be, x, weights, ids, y)
         else:
             be.run("moe_experts", x=x, gate_up=self.gate_up, down=self.down, weights=weights, ids=ids, y=y)
         shared = self.shared(be, x)
         g = linear(be, x, self.shared_gate)
         be.run("sigmoid_gate_add", a=y, b=shared, g=g, y=y)
         return y
+
+    def packed_experts(self, be, x, weights, ids, y):
+        """The routed experts over packed weights: split in two launches over every SM for decode, grouped by
+        expert for prefill (each expert's rows decoded once per group of its tokens), else the single op."""
+        c, T, gu, dn = self.cfg, x.shape[0], self.gate_up, self.down
+        K, I, E = c.experts_per_token, c.expert_intermediate, c.experts
+        if T <= MOE_SPLIT_MAX_T:
+            h = new(x, T, K, I, dtype=torch.float32)
+            be.run(f"moe_gate_up_{gu.fmt}", x=x, gate_up=gu.data, ids=ids, h=h, E=E)
+            be.run(f"moe_down_{dn.fmt}", h=h, down=dn.data, weights=weights, ids=ids, y=y, E=E)
+        elif MOE_GROUPED_MIN_T is not None and T >= MOE_GROUPED_MIN_T:
+            order, offsets = new(ids, T, K), new(ids, E)
+            be.run("moe_align", ids=ids, order=order, offsets=offsets)
+            h = new(x, T, K, I, dtype=torch.float32)
+            be.run(f"moe_gate_up_grouped_{gu.fmt}", x=x, gate_up=gu.data, order=order, offsets=offsets, h=h)
+            ys = new(x, T, K, c.hidden, dtype=torch.float32)
+            be.run(f"moe_down_grouped_{dn.fmt}", h=h, down=dn.data, weights=weights, order=order, offsets=offsets, ys=ys)
+            be.run("moe_sum", ys=ys, y=y)
+        else:
+            be.run(moe_op(gu.fmt, dn.fmt), x=x, gate_up=gu.data, down=dn.data, weights=weights, ids=ids, y=y, E=E, I=I)

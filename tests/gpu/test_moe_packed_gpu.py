@@ -1,5 +1,6 @@
 """The MoE expert ops over packed weights (moe_experts_q4/q5/q6/w8/fp8 and the mixed pair moe_experts_q4_q5: gate_up
-q4, down q5, rowtile128-v1; the split decode form moe_gate_up_<fmt> + moe_down_<fmt>) on the GPU against the
+q4, down q5, rowtile128-v1; the split decode form moe_gate_up_<fmt> + moe_down_<fmt>; the grouped prefill form
+moe_align + moe_gate_up_grouped_<fmt> + moe_down_grouped_<fmt> + moe_sum) on the GPU against the
 reference backend run on cloned GPU tensors (decode, then fp32 math), with the contracts' tolerance (bf16_reduction):
 the route table and every route instance by name, at the Qwen3.6-35B-A3B shape and at small shapes whose expert
 slices start mid-tile; a poisoned-bytes check that only the selected experts are read; ids outside [0, E);
@@ -310,3 +311,69 @@ def test_split_cuda_graph_t1(be, ref):
         assert torch.equal(replayed, y), f"replay {trial} differs from eager"
         _, want_y = split_reference(ref, fmt, ins, shape)
         check(be, f"moe_down_{fmt}", replayed, want_y, f"split graph replay {trial}")
+
+
+# ---- the grouped form: moe_align, moe_gate_up_grouped_<fmt>, moe_down_grouped_<fmt>, moe_sum -------------------------
+GROUPED_CASES = [(REAL, 64), (REAL, 300)] + [(s, T) for s in (ODD, SMALL) for T in (1, 9, 300)]
+
+
+def align(be, ids, E):
+    order, offsets = torch.empty_like(ids), torch.empty(E, dtype=torch.int32, device=ids.device)
+    be.run("moe_align", ids=ids, order=order, offsets=offsets)
+    return order, offsets
+
+
+@pytest.mark.parametrize("T,E,K", [(1, 256, 8), (7, 256, 8), (300, 256, 8), (4096, 256, 8), (1024, 512, 10), (33, 6, 2)])
+def test_moe_align_is_the_reference_exactly(be, ref, T, E, K):
+    """The stable sort by expert, ids outside [0, E) last (a few planted), bit for bit."""
+    g = gen(T + E)
+    ids = torch.rand(T, E, device="cuda", generator=g).argsort(-1)[:, :K].to(torch.int32).contiguous()
+    ids[0, 0] = -1
+    ids[T // 2, K - 1] = E
+    got, want = align(be, ids, E), align(ref, ids.clone(), E)
+    assert torch.equal(got[1], want[1]), "offsets"
+    assert torch.equal(got[0], want[0]), "order"
+
+
+@pytest.mark.parametrize("shape,T", GROUPED_CASES, ids=[f"{name(s)}-T{T}" for s, T in GROUPED_CASES])
+@pytest.mark.parametrize("fmt", PACKED)
+def test_grouped_every_route(be, ref, fmt, shape, T):
+    """Each grouped op against its reference (down over the reference h, moe_sum over the reference ys), the
+    table's route and every instance by name; the whole form (moe_align on the GPU too) against moe_experts_<fmt>."""
+    ins = inputs((fmt, fmt), shape, T, seed=T * 29 + shape["H"])
+    if T > 1:  # a slot no expert owns
+        ins["ids"][T - 1, 0] = -1
+    K, I, H, E = shape["K"], shape["I"], shape["H"], shape["E"]
+    order, offsets = align(ref, ins["ids"].clone(), E)
+    gu, dn = f"moe_gate_up_grouped_{fmt}", f"moe_down_grouped_{fmt}"
+    want_h = torch.full((T, K, I), float("nan"), device="cuda")
+    ref.run(gu, x=ins["x"].clone(), gate_up=ins["gate_up"].clone(), order=order, offsets=offsets, h=want_h)
+    want_ys = torch.full((T, K, H), float("nan"), device="cuda")
+    ref.run(dn, h=want_h.clone(), down=ins["down"].clone(), weights=ins["weights"].clone(), order=order,
+            offsets=offsets, ys=want_ys)
+    for route in [None, *instances(be, gu)]:
+        h = torch.full((T, K, I), float("nan"), device="cuda")
+        be.run(gu, route=route, x=ins["x"], gate_up=ins["gate_up"], order=order, offsets=offsets, h=h)
+        torch.cuda.synchronize()
+        check(be, gu, h, want_h, f"{gu} {name(shape)} T={T} via {route or 'table'}")
+    for route in [None, *instances(be, dn)]:
+        ys = torch.full((T, K, H), float("nan"), device="cuda")
+        be.run(dn, route=route, h=want_h, down=ins["down"], weights=ins["weights"], order=order, offsets=offsets, ys=ys)
+        torch.cuda.synchronize()
+        check(be, dn, ys, want_ys, f"{dn} {name(shape)} T={T} via {route or 'table'} (reference h)")
+    y, want_y = nan_like((T, H)), nan_like((T, H))
+    be.run("moe_sum", ys=want_ys, y=y)
+    ref.run("moe_sum", ys=want_ys.clone(), y=want_y)
+    torch.cuda.synchronize()
+    check(be, "moe_sum", y, want_y, f"moe_sum {name(shape)} T={T}")
+
+    go, gf = align(be, ins["ids"], E)
+    h = torch.full((T, K, I), float("nan"), device="cuda")
+    be.run(gu, x=ins["x"], gate_up=ins["gate_up"], order=go, offsets=gf, h=h)
+    ys = torch.full((T, K, H), float("nan"), device="cuda")
+    be.run(dn, h=h, down=ins["down"], weights=ins["weights"], order=go, offsets=gf, ys=ys)
+    be.run("moe_sum", ys=ys, y=y)
+    torch.cuda.synchronize()
+    single = {**ins, "weights": ins["weights"].clone(), "ids": ins["ids"].clamp(0, E - 1)}
+    single["weights"][ins["ids"] < 0] = 0
+    check(be, moe_op(fmt, fmt), y, reference(ref, moe_op(fmt, fmt), single, shape), f"grouped form {name(shape)} T={T}")

@@ -52,10 +52,16 @@ def test_the_reference_backend_decodes_packed_weights_at_load_by_default(tmp_pat
         eng.close()
 
 
+# (MOE_SPLIT_MAX_T, MOE_GROUPED_MIN_T) -> the expert ops every step runs (the prompt and each decode step)
+MOE_FORMS = {"split": ((64, None), ("moe_gate_up_", "moe_down_")),
+             "grouped": ((0, 1), ("moe_align", "moe_gate_up_grouped_", "moe_down_grouped_", "moe_sum"))}
+
+
+@pytest.mark.parametrize("form", sorted(MOE_FORMS))
 @pytest.mark.parametrize("fmt", [None, "q6"])
-def test_the_split_moe_path_computes_the_single_op(tmp_path, monkeypatch, fmt):
-    """The decode form of the packed experts (moe_gate_up_<fmt> + moe_down_<fmt>, used up to MOE_SPLIT_MAX_T
-    tokens) gives the logits and greedy tokens of the single op moe_experts_<fmt>."""
+def test_the_split_and_grouped_moe_forms_compute_the_single_op(tmp_path, monkeypatch, fmt, form):
+    """The decode form (moe_gate_up_<fmt> + moe_down_<fmt>) and the prefill form (moe_align, the grouped ops,
+    moe_sum) of the packed experts give the logits and greedy tokens of the single op moe_experts_<fmt>."""
     from ninfer.runtime.models import blocks
     d = build("moe", tmp_path / "ckpt")
     art = tmp_path / "moe.ninfer"
@@ -69,14 +75,18 @@ def test_the_split_moe_path_computes_the_single_op(tmp_path, monkeypatch, fmt):
         run = eng.be.run
         monkeypatch.setattr(eng.be, "run", lambda op, **kw: (calls.append(op), run(op, **kw))[1])
         monkeypatch.setattr(blocks, "MOE_SPLIT_MAX_T", 0)
+        monkeypatch.setattr(blocks, "MOE_GROUPED_MIN_T", None)
         single_logits = eng.score(ids)
         single = eng.generate([ids[:7]], max_new=8)[0].generated
-        assert not any(op.startswith(("moe_gate_up_", "moe_down_")) for op in calls)
-        monkeypatch.setattr(blocks, "MOE_SPLIT_MAX_T", 64)
+        assert any(op.startswith("moe_experts_") for op in calls)
+        (split_max, grouped_min), prefixes = MOE_FORMS[form]
+        monkeypatch.setattr(blocks, "MOE_SPLIT_MAX_T", split_max)
+        monkeypatch.setattr(blocks, "MOE_GROUPED_MIN_T", grouped_min)
         calls.clear()
         assert torch.allclose(eng.score(ids), single_logits, rtol=1e-4, atol=1e-5)
         assert eng.generate([ids[:7]], max_new=8)[0].generated == single
-        assert any(op.startswith("moe_gate_up_") for op in calls) and any(op.startswith("moe_down_") for op in calls)
-        assert not any(op.startswith("moe_experts") for op in calls)
+        expert_ops = {op for op in calls if op.startswith("moe_") and op not in ("moe_router", "moe_topk")}
+        assert {p for p in prefixes if any(op.startswith(p) for op in expert_ops)} == set(prefixes)
+        assert not any(op.startswith("moe_experts") for op in expert_ops)
     finally:
         eng.close()

@@ -134,3 +134,47 @@ def test_moe_split_halves_compose_to_moe_experts(be, fmt):
     zeroed[1, 2] = zeroed[3, 0] = 0
     be.run(f"moe_experts_{fmt}", x=x, gate_up=gate_up, down=down, weights=zeroed, ids=ids, y=want, E=E, I=I)
     assert torch.allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_align_lists_the_pairs_by_expert_in_token_order(be):
+    """order: the pairs t*K + k, expert by expert, each expert's in index order, ids outside [0, E) last;
+    offsets[e]: the end of expert e's pairs (checked against a plain Python loop)."""
+    E = 5
+    ids = torch.tensor([[3, 0, 7], [0, 3, -1], [4, 0, 1], [1, 3, 5]], dtype=torch.int32)
+    order, offsets = torch.empty_like(ids), torch.empty(E, dtype=torch.int32)
+    be.run("moe_align", ids=ids, order=order, offsets=offsets)
+    flat = ids.flatten().tolist()
+    want = [p for e in range(E) for p, i in enumerate(flat) if i == e] + [p for p, i in enumerate(flat) if not 0 <= i < E]
+    assert order.flatten().tolist() == want
+    assert offsets.tolist() == [sum(1 for i in flat if 0 <= i <= e) for e in range(E)]
+
+
+@pytest.mark.parametrize("fmt", ["q4", "w8"])
+def test_moe_grouped_form_computes_moe_experts(be, fmt):
+    """moe_align, moe_gate_up_grouped_<fmt>, moe_down_grouped_<fmt> and moe_sum (the prefill form) compute
+    moe_experts_<fmt>; the pairs of ids outside [0, E) get h = 0 and ys = 0."""
+    import numpy as np
+
+    from ninfer.runtime import formats
+    T, H, E, I, K = 6, 64, 5, 32, 2
+    rng = np.random.default_rng(5)
+    gate_up = torch.from_numpy(formats.encode(fmt, rng.standard_normal((E * 2 * I, H), dtype=np.float32) * 0.1))
+    down = torch.from_numpy(formats.encode(fmt, rng.standard_normal((E * H, I), dtype=np.float32) * 0.1))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
+    ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(10 + t))[:K] for t in range(T)]).int()
+    weights = torch.softmax(torch.randn(T, K, generator=torch.Generator().manual_seed(4)), -1)
+    ids[2, 1], ids[4, 0] = -1, E
+    order, offsets = torch.empty_like(ids), torch.empty(E, dtype=torch.int32)
+    be.run("moe_align", ids=ids, order=order, offsets=offsets)
+    h = torch.full((T, K, I), float("nan"))
+    be.run(f"moe_gate_up_grouped_{fmt}", x=x, gate_up=gate_up, order=order, offsets=offsets, h=h)
+    ys = torch.full((T, K, H), float("nan"))
+    be.run(f"moe_down_grouped_{fmt}", h=h, down=down, weights=weights, order=order, offsets=offsets, ys=ys)
+    y = torch.full((T, H), float("nan"))
+    be.run("moe_sum", ys=ys, y=y)
+    assert (h[2, 1] == 0).all() and (h[4, 0] == 0).all() and (ys[2, 1] == 0).all() and (ys[4, 0] == 0).all()
+    zeroed, valid = weights.clone(), ids.clamp(0, E - 1)
+    zeroed[2, 1] = zeroed[4, 0] = 0
+    want = torch.full((T, H), float("nan"))
+    be.run(f"moe_experts_{fmt}", x=x, gate_up=gate_up, down=down, weights=zeroed, ids=valid, y=want, E=E, I=I)
+    assert torch.allclose(y, want, rtol=1e-5, atol=1e-6)
