@@ -37,8 +37,12 @@ CASES = [
     ("gdn_delta_rule", {"HV": 48, "DK": 128, "DV": 128}, [1, 8, 31, 32, 1024]),   # one sequence of T tokens
     ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 2, 4, 8]),   # T sequences at ATTN_CONTEXT
     # the routed experts of a 35B-A3B MoE layer: the single op, and its split decode form (gate_up, then down)
-    *((op, MOE_35B, [1, 2, 4, 8, 16, 32, 64]) for op in ("moe_experts_q4", "moe_gate_up_q4", "moe_down_q4")),
+    *((op, MOE_35B, [1, 2, 4, 8, 16, 32, 64]) for op in ("moe_gate_up_q4", "moe_down_q4")),
+    ("moe_experts_q4", MOE_35B, [1, 2, 4, 8, 16, 32, 64, 256, 1024]),
     *((op, MOE_35B, [1, 8]) for op in ("moe_experts_q4_q5", "moe_down_q5")),
+    # the prefill form: pairs sorted by expert, grouped GEMMs, slot sum
+    *((op, MOE_35B, [64, 256, 1024, 4096]) for op in ("moe_align", "moe_gate_up_grouped_q4", "moe_down_grouped_q4",
+                                                       "moe_sum")),
 ]
 ATTN_CONTEXT = 8192
 GDN_K_HEADS = 16
@@ -105,10 +109,25 @@ def _bytes(op, tensors, dims) -> int:
         per_expert = ((nbytes(gfmt, (2 * dims["I"], dims["H"])) if gfmt else 0)
                       + (nbytes(dfmt, (dims["H"], dims["I"])) if dfmt else 0))
         acts = sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in ("gate_up", "down"))
-        return tensors["ids"].unique().numel() * per_expert + acts
+        if "ids" in tensors:
+            chosen = tensors["ids"].unique().numel()
+        else:   # the grouped ops: the experts moe_align gave pairs to
+            chosen = int((tensors["offsets"].diff(prepend=tensors["offsets"].new_zeros(1)) > 0).sum()) if per_expert else 0
+        return chosen * per_expert + acts
     if op == "embedding":  # only the gathered rows of the table are read
         return tensors["ids"].numel() * 4 + 2 * tensors["y"].numel() * tensors["y"].element_size()
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _flops(op: str, T: int, problem: dict) -> int:
+    """Multiply-add FLOPs of a linear or expert op (0 for the others)."""
+    if op.startswith("linear"):
+        return 2 * T * problem["N"] * problem["K"]
+    if op.startswith("moe_") and op not in ("moe_align", "moe_sum"):
+        gfmt, dfmt = _moe_formats(op)
+        per_pair = (2 * problem["I"] * problem["H"] if gfmt else 0) + (problem["H"] * problem["I"] if dfmt else 0)
+        return 2 * T * problem["K"] * per_pair
+    return 0
 
 
 def _make(torch, contract, dtype, dims, rng, op=""):
@@ -175,24 +194,32 @@ def _make_attention(torch, dims, rng):
 
 
 def _moe_formats(op: str) -> tuple[str | None, str | None]:
-    """(gate_up format, down format) an expert op reads: moe_experts_q4, moe_experts_q4_q5, moe_gate_up_q4
-    (no down), moe_down_q5 (no gate_up)."""
+    """(gate_up format, down format) an expert op reads: moe_experts_q4, moe_experts_q4_q5, moe_gate_up[_grouped]_q4
+    (no down), moe_down[_grouped]_q5 (no gate_up); moe_align and moe_sum read no weights."""
     if op.startswith("moe_experts_"):
         fmts = op.split("_")[2:]
         return fmts[0], fmts[-1]
     fmt = op.rsplit("_", 1)[1]
-    return (fmt, None) if op.startswith("moe_gate_up_") else (None, fmt)
+    return (fmt, None) if op.startswith("moe_gate_up_") else (None, fmt) if op.startswith("moe_down_") else (None, None)
 
 
-def _moe_routing(torch, dims, rng) -> dict:
-    """Fresh activations and routing: K distinct experts per token, softmax weights."""
+def _moe_routing(torch, dims, rng, names) -> dict:
+    """Fresh activations and routing for the tensors named: K distinct experts per token, softmax weights, and
+    moe_align's order and offsets of those ids."""
+    from ninfer.runtime.reference import moe_align
     T, H, E, I, K = (dims[d] for d in ("T", "H", "E", "I", "K"))
     dev = rng.device
-    return {"x": torch.randn(T, H, device=dev, generator=rng).bfloat16(),
-            "ids": torch.rand(T, E, device=dev, generator=rng).argsort(-1)[:, :K].int().contiguous(),
-            "weights": torch.softmax(torch.randn(T, K, device=dev, generator=rng), -1).contiguous(),
-            "h": torch.randn(T, K, I, device=dev, generator=rng),
-            "y": torch.empty(T, H, device=dev, dtype=torch.bfloat16)}
+    ids = torch.rand(T, E, device=dev, generator=rng).argsort(-1)[:, :K].int().contiguous()
+    make = {"x": lambda: torch.randn(T, H, device=dev, generator=rng).bfloat16(),
+            "ids": lambda: ids,
+            "weights": lambda: torch.softmax(torch.randn(T, K, device=dev, generator=rng), -1).contiguous(),
+            "h": lambda: torch.randn(T, K, I, device=dev, generator=rng),
+            "ys": lambda: torch.randn(T, K, H, device=dev, generator=rng),
+            "y": lambda: torch.empty(T, H, device=dev, dtype=torch.bfloat16)}
+    out = {k: make[k]() for k in names if k in make}
+    if "order" in names or "offsets" in names:
+        out.update(moe_align(ids, {"E": E}))
+    return out
 
 
 def _make_moe(torch, contract, op, dims, rng):
@@ -200,25 +227,26 @@ def _make_moe(torch, contract, op, dims, rng):
     from ninfer.runtime.weights import random_packed
     H, E, I = dims["H"], dims["E"], dims["I"]
     gfmt, dfmt = _moe_formats(op)
-    ts = _moe_routing(torch, dims, rng)
+    ts = _moe_routing(torch, dims, rng, [*contract["inputs"], *contract["outputs"]])
     if gfmt:
         ts["gate_up"] = random_packed(gfmt, (E * 2 * I, H), rng.device, rng, H ** -0.5).data
     if dfmt:
         ts["down"] = random_packed(dfmt, (E * H, I), rng.device, rng, I ** -0.5).data
-    return {k: v for k, v in ts.items() if k in contract["inputs"] or k in contract["outputs"]}
+    return ts
 
 
 def _moe_sets(torch, base, dims, rng, n: int = 8) -> list[dict]:
     """`base` and n-1 sets with the same expert weights (hundreds of MB) but their own routing, so launches
     that cycle through them read other experts each time instead of the last launch's from the L2."""
-    return [base] + [{**base, **{k: v for k, v in _moe_routing(torch, dims, rng).items() if k in base}}
+    return [base] + [{**base, **_moe_routing(torch, dims, rng, [k for k in base if k not in ("gate_up", "down")])}
                      for _ in range(n - 1)]
 
 
 OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5},
-             # expert counts the MoE contracts take by name
+             # expert counts the MoE contracts take by name (the grouped ops read E from offsets' shape)
              **{op: {"E": MOE_35B["E"], **({"I": MOE_35B["I"]} if op.startswith("moe_experts_") else {})}
-                for op, problem, _ in CASES if op.startswith("moe_")}}
+                for op, problem, _ in CASES if op.startswith(("moe_experts_", "moe_gate_up_", "moe_down_"))
+                and "_grouped_" not in op}}
 
 
 def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
@@ -255,7 +283,7 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
                 except RouteError:
                     continue  # this route's constraints exclude the problem (e.g. T above its tmax)
                 secs = _time_graph(torch, plans, reps)
-                flops = 2 * T * problem["N"] * problem["K"] if op.startswith("linear") else 0
+                flops = _flops(op, T, problem)
                 gbs = nbytes / secs / 1e9
                 row = {"op": op, "problem": problem, "T": T, "route": inst, "selected": inst == chosen,
                        "us": secs * 1e6, "GB/s": gbs, "bw_frac": gbs / copy_gbs,

@@ -11,21 +11,28 @@ DIMS = {"T": 3, "H": 128, "E": 16, "I": 64, "K": 4}
 def test_moe_inputs_follow_the_contract_and_rotate_only_the_routing():
     be = ReferenceBackend()
     rng = torch.Generator().manual_seed(0)
-    for op in ("moe_experts_q4_q5", "moe_gate_up_q4", "moe_down_q5"):
+    for op in ("moe_experts_q4_q5", "moe_gate_up_q4", "moe_down_q5", "moe_align", "moe_gate_up_grouped_q4",
+               "moe_down_grouped_q5", "moe_sum"):
         contract = be.contract(op)
         base = _make_moe(torch, contract, op, dict(DIMS), rng)
         assert set(base) == set(contract["inputs"]) | set(contract["outputs"])
-        # every token routes to K distinct experts
-        assert all(len(set(row)) == DIMS["K"] for row in base["ids"].tolist())
+        # every token routes to K distinct experts (the grouped ops: moe_align's order of such ids)
+        if "ids" in base:
+            assert all(len(set(row)) == DIMS["K"] for row in base["ids"].tolist())
+        if "order" in base:
+            assert sorted(base["order"].flatten().tolist()) == list(range(DIMS["T"] * DIMS["K"]))
+            assert int(base["offsets"][-1]) == DIMS["T"] * DIMS["K"]
         sets = _moe_sets(torch, base, DIMS, rng, n=4)
         assert len(sets) == 4 and all(set(s) == set(base) for s in sets)
         for s in sets[1:]:
             for k in ("gate_up", "down"):
                 if k in base:
                     assert s[k] is base[k]                      # the weights are shared, not copied
-            assert not torch.equal(s["ids"], base["ids"])         # the routing is fresh
+            fresh = [k for k in ("ids", "order", "x", "h", "ys") if k in base]
+            assert fresh and not all(torch.equal(s[k], base[k]) for k in fresh)   # the routing is fresh
         # the op runs on these inputs (the reference backend, as the cuda one would on the GPU)
-        params = {"E": DIMS["E"], **({"I": DIMS["I"]} if op.startswith("moe_experts_") else {})}
+        by_name = op.startswith(("moe_experts_", "moe_gate_up_", "moe_down_")) and "_grouped_" not in op
+        params = {"E": DIMS["E"], **({"I": DIMS["I"]} if op.startswith("moe_experts_") else {})} if by_name else {}
         be.run(op, **base, **params)
 
 
