@@ -6,6 +6,7 @@ A block holds its weights (device tensors) and runs on a backend (`cuda` kernels
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,20 @@ DEQUANT_MAX_BYTES = 512 << 20
 # is off (0 / None), the token-centric single op moe_experts_<fmt>. Both forms stay off until their kernels have
 # passed their GPU tests and the crossovers are measured on the H200: they were written in a session without a
 # GPU (PERF_NOTES.md, session 8).
-MOE_SPLIT_MAX_T = 0
-MOE_GROUPED_MIN_T = None
+# NINFER_MOE_SPLIT_MAX_T / NINFER_MOE_GROUPED_MIN_T (a token count, or "off") override them for A/B runs.
+def _env_tokens(name: str, default: int | None) -> int | None:
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    if v == "off":
+        return None
+    if not v.isdigit():
+        raise ValueError(f"{name}={v!r}: expected a token count (0, 1, 2, ...) or 'off'")
+    return int(v)
+
+
+MOE_SPLIT_MAX_T = _env_tokens("NINFER_MOE_SPLIT_MAX_T", None) or 0
+MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", None)
 
 
 def dequant_scratch_bytes(weights: dict) -> int:
