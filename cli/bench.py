@@ -194,8 +194,10 @@ def _make_attention(torch, dims, rng):
 
 
 def _moe_formats(op: str) -> tuple[str | None, str | None]:
-    """(gate_up format, down format) an expert op reads: moe_experts_q4, moe_experts_q4_q5, moe_gate_up[_grouped]_q4
-    (no down), moe_down[_grouped]_q5 (no gate_up); moe_align and moe_sum read no weights."""
+    """(gate_up format, down format) an expert op reads: moe_experts (bf16), moe_experts_q4, moe_experts_q4_q5,
+    moe_gate_up[_grouped]_q4 (no down), moe_down[_grouped]_q5 (no gate_up); moe_align and moe_sum read no weights."""
+    if op == "moe_experts":   # bf16 experts, [E, 2I, H] and [E, H, I]
+        return "bf16", "bf16"
     if op.startswith("moe_experts_"):
         fmts = op.split("_")[2:]
         return fmts[0], fmts[-1]
@@ -228,10 +230,14 @@ def _make_moe(torch, contract, op, dims, rng):
     H, E, I = dims["H"], dims["E"], dims["I"]
     gfmt, dfmt = _moe_formats(op)
     ts = _moe_routing(torch, dims, rng, [*contract["inputs"], *contract["outputs"]])
+    def weights(fmt, rows, cols):
+        if fmt == "bf16":
+            return (torch.randn(E, rows, cols, device=rng.device, generator=rng) * cols ** -0.5).bfloat16()
+        return random_packed(fmt, (E * rows, cols), rng.device, rng, cols ** -0.5).data
     if gfmt:
-        ts["gate_up"] = random_packed(gfmt, (E * 2 * I, H), rng.device, rng, H ** -0.5).data
+        ts["gate_up"] = weights(gfmt, 2 * I, H)
     if dfmt:
-        ts["down"] = random_packed(dfmt, (E * H, I), rng.device, rng, I ** -0.5).data
+        ts["down"] = weights(dfmt, H, I)
     return ts
 
 
@@ -242,11 +248,14 @@ def _moe_sets(torch, base, dims, rng, n: int = 8) -> list[dict]:
                      for _ in range(n - 1)]
 
 
-OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5},
-             # expert counts the MoE contracts take by name (the grouped ops read E from offsets' shape)
-             **{op: {"E": MOE_35B["E"], **({"I": MOE_35B["I"]} if op.startswith("moe_experts_") else {})}
-                for op, problem, _ in CASES if op.startswith(("moe_experts_", "moe_gate_up_", "moe_down_"))
-                and "_grouped_" not in op}}
+OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5}}
+
+
+def by_name(contract: dict, problem: dict) -> dict:
+    """The problem dims a contract takes by name: those no tensor's shape carries (the MoE ops' E, I)."""
+    tensors = {**contract["inputs"], **contract["outputs"], **contract["states"]}
+    in_shapes = {str(d).rpartition("*")[2] for spec in tensors.values() for d in spec["shape"]}
+    return {d: v for d, v in problem.items() if d not in in_shapes}
 
 
 def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
@@ -279,7 +288,8 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
                     nbytes = _bytes(op, base, dims)
                     sets = _moe_sets(torch, base, dims, rng) if op.startswith("moe_") else rotating_sets(base)
                 try:
-                    plans = [be.plan(op, route=inst, **s, **OP_PARAMS.get(op, {})) for s in sets]
+                    plans = [be.plan(op, route=inst, **s, **OP_PARAMS.get(op, {}), **by_name(contract, problem))
+                             for s in sets]
                 except RouteError:
                     continue  # this route's constraints exclude the problem (e.g. T above its tmax)
                 secs = _time_graph(torch, plans, reps)

@@ -1,6 +1,6 @@
-"""`ninfer-tune`: measure every applicable route of every linear problem of a model on this GPU and write
-the GPU's own route tables, specs/tuned/<gpu>.yaml, which `make generate` validates (closed catalogue, like
-any table) and the runtime prefers when it runs on that GPU.
+"""`ninfer-tune`: measure every applicable route of every linear and MoE-expert problem of a model on this GPU
+and write the GPU's own route tables, specs/tuned/<gpu>.yaml, which `make generate` validates (closed
+catalogue, like any table) and the runtime prefers when it runs on that GPU.
 
 For each (op, problem) and each T of a grid, every route instance that admits the whole span [T, next grid
 T - 1] is timed (CUDA-graph replays over input copies that exceed the L2, as `ninfer-bench ops`); the fastest
@@ -42,17 +42,17 @@ def gpu_slug(name: str) -> str:
 
 
 def model_problems(shape: str, fmt: str) -> list[tuple[str, dict]]:
-    """(op, {N, K}) of every projection the model file runs through a linear op, at a model shape with the
-    quantizable matrices in `fmt`."""
+    """(op, problem) of every projection the model file runs through a linear op ({N, K}) and of its routed
+    experts ({H, E, I, K}), at a model shape with the quantizable matrices in `fmt`."""
     from ninfer.runtime.synthetic import QUANT_SUFFIXES, SHAPES, weight_shapes
     cfg = SHAPES[shape]
     stored = {name: (s, fmt if fmt != "bf16" and name.endswith(QUANT_SUFFIXES) else "bf16")
               for name, s in weight_shapes(cfg).items()}
-    return linear_problems(cfg, stored)
+    return linear_problems(cfg, stored) + expert_problems(cfg, stored)
 
 
 def artifact_problems(path) -> list[tuple[str, dict]]:
-    """(op, {N, K}) of an artifact's linear projections, each in the format it is stored in."""
+    """(op, problem) of an artifact's linear projections and routed experts, each in the format it is stored in."""
     from ninfer.runtime.artifact import open_artifact
     from ninfer.runtime.models.config import parse_config
     art = open_artifact(path)
@@ -62,7 +62,7 @@ def artifact_problems(path) -> list[tuple[str, dict]]:
                   if not set(e.flags) & {"mtp", "visual"}}
     finally:
         art.close()
-    return linear_problems(cfg, stored)
+    return linear_problems(cfg, stored) + expert_problems(cfg, stored)
 
 
 def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
@@ -94,6 +94,31 @@ def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
     return [(op, {"N": n, "K": k}) for op, n, k in sorted(out)]
 
 
+def expert_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
+    """(op, {H, E, I, K}) of the routed experts. Packed experts run the single op moe_experts_<fmt>, the decode
+    form (moe_gate_up_<fmt>, moe_down_<fmt>) and the prefill form (moe_*_grouped_<fmt>); the model picks among
+    them by T (models/blocks.py). Float experts run moe_experts."""
+    from ninfer.runtime.reference_quant import MOE_PAIRS, PACKED, moe_op
+    problem = {"H": cfg.hidden, "E": cfg.experts, "I": cfg.expert_intermediate, "K": cfg.experts_per_token}
+    out = set()
+    for name, (_, gfmt) in stored.items():
+        if not name.endswith("experts.gate_up"):
+            continue
+        _, dfmt = stored[name[:-len("gate_up")] + "down"]
+        if gfmt in PACKED and dfmt in PACKED:
+            out |= {f"moe_gate_up_{gfmt}", f"moe_down_{dfmt}", f"moe_gate_up_grouped_{gfmt}", f"moe_down_grouped_{dfmt}"}
+            if (gfmt, dfmt) in MOE_PAIRS:
+                out.add(moe_op(gfmt, dfmt))
+        else:
+            out.add("moe_experts")
+    return [(op, dict(problem)) for op in sorted(out)]
+
+
+def label(problem: dict) -> str:
+    """A problem as --problem spells it: its dims joined by x (N x K; H x E x I x K for the experts)."""
+    return "x".join(str(v) for v in problem.values())
+
+
 def admits(kernel, dims: dict) -> bool:
     from ninfer.runtime.manifest import evaluate
     return all(evaluate(c, dims) for c in kernel.constraints)
@@ -104,8 +129,9 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
     every instance's time)."""
     import torch
 
-    from ninfer.cli.bench import _make, _time_graph, footprint, rotating_sets
+    from ninfer.cli.bench import _make, _moe_sets, _time_graph, by_name, footprint, rotating_sets
     contract = be.contract(op)
+    params = by_name(contract, problem)
     kernels = [k for k in be.manifest.kernels.values() if k.op == op and k.arch == be.device.arch and k.dtype == "bf16"]
     rng = torch.Generator(device="cuda")
     rng.manual_seed(0)
@@ -114,12 +140,16 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
         last = grid[i + 1] - 1 if i + 1 < len(grid) else 1 << 30
         base = _make(torch, contract, "bf16", {"T": t, **problem}, rng, op)
         dims = {"T": t, **problem}
-        sets, nbytes = rotating_sets(base, factor=2, most=4), footprint(base)
+        if op.startswith("moe_"):   # the experts are shared; the routing rotates (reads from HBM, not the L2)
+            sets = _moe_sets(torch, base, dims, rng, n=4)
+        else:
+            sets = rotating_sets(base, factor=2, most=4)
+        nbytes = footprint(base)
         best = None
         for k in kernels:
             if not (admits(k, dims) and admits(k, {**dims, "T": last})):
                 continue
-            plans = [be.plan(op, route=k.instance, **s) for s in sets]
+            plans = [be.plan(op, route=k.instance, **s, **params) for s in sets]
             launches = max(len(sets), min(20, int(2e-3 / max(nbytes / 3e12, 1e-7))))
             secs = _time_graph(torch, plans, reps, launches)
             if verbose:
@@ -128,7 +158,8 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
                 best = (secs, k.instance)
         if best is None:
             raise click.ClickException(f"{op} {problem}: no route admits T={t}..{last}")
-        echo(f"  {op} N={problem['N']} K={problem['K']} T={t}: {best[1]} {best[0] * 1e6:.1f} us")
+        shown = " ".join(f"{k}={v}" for k, v in problem.items())
+        echo(f"  {op} {shown} T={t}: {best[1]} {best[0] * 1e6:.1f} us")
         winners.append(best[1])
         del sets, base
         torch.cuda.empty_cache()
@@ -171,21 +202,21 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
 
 @click.command()
 @click.option("--artifact", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="tune the linear problems of this artifact, each in its stored format (instead of --shape/--weights)")
+              help="tune the problems of this artifact, each in its stored format (instead of --shape/--weights)")
 @click.option("--shape", type=click.Choice(["qwen3.6-27b", "qwen3.6-35b-a3b"]), default="qwen3.6-27b", show_default=True,
-              help="the model whose linear problems are tuned")
+              help="the model whose linear and expert problems are tuned")
 @click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8"]), default="bf16",
               show_default=True, help="format of the quantizable matrices")
 @click.option("--op", "ops", multiple=True, help="only these ops (repeatable), e.g. linear_q4")
 @click.option("--problem", "only", multiple=True, metavar="NxK",
-              help="only these problems (repeatable), e.g. 16384x5120")
+              help="only these problems (repeatable), e.g. 16384x5120 (linear N x K) or 2048x256x512x8 (experts H x E x I x K)")
 @click.option("--grid", default=",".join(map(str, GRID)), show_default=True, help="T values to time")
 @click.option("--reps", default=10, show_default=True)
 @click.option("-v", "--verbose", is_flag=True, help="print every route instance's time, not only the fastest")
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
               help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
 def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> None:
-    """Time every route of every linear problem of a model on this GPU; write specs/tuned/<gpu>.yaml."""
+    """Time every route of every linear and expert problem of a model on this GPU; write specs/tuned/<gpu>.yaml."""
     from ninfer.runtime.cuda import gpu_available
     from ninfer.runtime.paths import ROOT
     if not gpu_available():
@@ -203,9 +234,9 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> Non
         problems = artifact_problems(artifact)
     else:
         source, problems = f"{shape} {fmt}", model_problems(shape, fmt)
-    problems = [(op, p) for op, p in problems if (not ops or op in ops) and (not only or f"{p['N']}x{p['K']}" in only)]
+    problems = [(op, p) for op, p in problems if (not ops or op in ops) and (not only or label(p) in only)]
     if not problems:
-        raise click.BadParameter(f"no linear problem of {source} matches --op {', '.join(ops) or '(any)'} "
+        raise click.BadParameter(f"no problem of {source} matches --op {', '.join(ops) or '(any)'} "
                                  f"--problem {', '.join(only) or '(any)'}", param_hint="--op/--problem")
     gpu, arch = be.device.name, be.device.arch
     click.echo(f"# ninfer-tune on {gpu} ({arch}): {len(problems)} problems x {len(ts)} T values", err=True)

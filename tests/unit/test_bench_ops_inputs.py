@@ -1,7 +1,7 @@
 """The inputs `ninfer-bench ops` times the MoE expert ops on (built on the CPU here; the GPU uses the same code)."""
 import torch
 
-from ninfer.cli.bench import _bytes, _make_moe, _moe_sets
+from ninfer.cli.bench import _bytes, _make_moe, _moe_sets, by_name
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.formats import nbytes
 
@@ -11,7 +11,7 @@ DIMS = {"T": 3, "H": 128, "E": 16, "I": 64, "K": 4}
 def test_moe_inputs_follow_the_contract_and_rotate_only_the_routing():
     be = ReferenceBackend()
     rng = torch.Generator().manual_seed(0)
-    for op in ("moe_experts_q4_q5", "moe_gate_up_q4", "moe_down_q5", "moe_align", "moe_gate_up_grouped_q4",
+    for op in ("moe_experts", "moe_experts_q4_q5", "moe_gate_up_q4", "moe_down_q5", "moe_align", "moe_gate_up_grouped_q4",
                "moe_down_grouped_q5", "moe_sum"):
         contract = be.contract(op)
         base = _make_moe(torch, contract, op, dict(DIMS), rng)
@@ -31,9 +31,8 @@ def test_moe_inputs_follow_the_contract_and_rotate_only_the_routing():
             fresh = [k for k in ("ids", "order", "x", "h", "ys") if k in base]
             assert fresh and not all(torch.equal(s[k], base[k]) for k in fresh)   # the routing is fresh
         # the op runs on these inputs (the reference backend, as the cuda one would on the GPU)
-        by_name = op.startswith(("moe_experts_", "moe_gate_up_", "moe_down_")) and "_grouped_" not in op
-        params = {"E": DIMS["E"], **({"I": DIMS["I"]} if op.startswith("moe_experts_") else {})} if by_name else {}
-        be.run(op, **base, **params)
+        problem = {d: DIMS[d] for d in contract["problem"]}
+        be.run(op, **base, **by_name(contract, problem))
 
 
 def test_moe_bytes_count_only_the_chosen_experts():
@@ -45,3 +44,12 @@ def test_moe_bytes_count_only_the_chosen_experts():
     per_expert = nbytes("q4", (2 * DIMS["I"], DIMS["H"])) + nbytes("q5", (DIMS["H"], DIMS["I"]))
     acts = sum(base[k].numel() * base[k].element_size() for k in ("x", "weights", "ids", "y"))
     assert _bytes(op, base, DIMS) == chosen * per_expert + acts
+
+
+def test_by_name_is_what_no_shape_carries():
+    be = ReferenceBackend()
+    moe = {d: DIMS[d] for d in ("H", "E", "I", "K")}
+    assert by_name(be.contract("moe_experts_q4"), moe) == {"E": 16, "I": 64}
+    assert by_name(be.contract("moe_gate_up_q4"), moe) == {"E": 16}
+    assert by_name(be.contract("moe_down_grouped_q4"), moe) == {}
+    assert by_name(be.contract("linear_q4"), {"N": 8, "K": 16}) == {}

@@ -129,3 +129,33 @@ def test_a_hand_broken_tuned_file_fails_generation(spec_tree):
     (specs / "tuned" / "x.yaml").write_text(tuned_text(GOOD, op="no_such_op"))
     with pytest.raises(SpecError, match="unknown op or op without routes"):
         load_specs(specs, templates)
+
+
+def test_expert_problems_are_every_form_of_the_routed_experts():
+    from ninfer.cli.tune import expert_problems, label
+    from ninfer.runtime.synthetic import SHAPES
+    got = model_problems("qwen3.6-35b-a3b", "q4")
+    moe = {op: p for op, p in got if op.startswith("moe_")}
+    assert set(moe) == {"moe_experts_q4", "moe_gate_up_q4", "moe_down_q4", "moe_gate_up_grouped_q4", "moe_down_grouped_q4"}
+    assert all(p == {"H": 2048, "E": 256, "I": 512, "K": 8} for p in moe.values())
+    assert {op for op, _ in model_problems("qwen3.6-35b-a3b", "bf16") if op.startswith("moe_")} == {"moe_experts"}
+    assert label(moe["moe_down_q4"]) == "2048x256x512x8" and label({"N": 16384, "K": 5120}) == "16384x5120"
+    cfg = SHAPES["qwen3.6-35b-a3b"]
+    mixed = {"layers.0.mlp.experts.gate_up": ((256, 1024, 2048), "q4"), "layers.0.mlp.experts.down": ((256, 2048, 512), "q5")}
+    assert {op for op, _ in expert_problems(cfg, mixed)} == {
+        "moe_experts_q4_q5", "moe_gate_up_q4", "moe_down_q5", "moe_gate_up_grouped_q4", "moe_down_grouped_q5"}
+    odd = {k: (s, "q6" if k.endswith("down") else "q5") for k, (s, _) in mixed.items()}   # no single op for q5 / q6
+    assert {op for op, _ in expert_problems(cfg, odd)} == {
+        "moe_gate_up_q5", "moe_down_q6", "moe_gate_up_grouped_q5", "moe_down_grouped_q6"}
+
+
+def test_a_tuned_expert_table_is_used_on_its_gpu(spec_tree):
+    specs, templates = spec_tree
+    problem = {"H": 2048, "E": 256, "I": 512, "K": 8}
+    spans = [{"from": 1, "to": 8, "use": "gemv.t1k4"}, {"from": 9, "to": None, "use": "gemv.t4k2"}]
+    write_validated(specs, templates, "test-gpu.yaml",
+                    render(GPU, "sm_90a", "test", [{"op": "moe_gate_up_q4", "problem": problem, "spans": spans}]))
+    m = Manifest(build_manifest_and_sources(load_specs(specs, templates), templates)[0])
+    assert m.resolve("sm_90a", "moe_gate_up_q4", "bf16", problem, 8, gpu=GPU).instance == "gemv.t1k4"
+    assert m.resolve("sm_90a", "moe_gate_up_q4", "bf16", problem, 9, gpu=GPU).instance == "gemv.t4k2"
+    assert m.resolve("sm_90a", "moe_gate_up_q4", "bf16", problem, 9).instance == "gemv.t2k4"   # another GPU: the default
