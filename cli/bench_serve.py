@@ -83,12 +83,12 @@ class Server:
     """ninfer-serve in a child process on a free loopback port; stopped (and waited for) on exit."""
 
     def __init__(self, artifact: Path, *, backend: str, max_concurrency: int, max_context: int,
-                 prefill_chunk: int, startup_timeout: float):
+                 startup_timeout: float):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "ninfer.cli.serve", str(artifact), "--port", str(self.port),
                     "--backend", backend, "--max-concurrency", str(max_concurrency), "--max-context",
-                    str(max_context), "--prefill-chunk", str(prefill_chunk), "--model-id", "bench"]
+                    str(max_context), "--model-id", "bench"]   # ninfer-serve's own prefill chunks: what users get
         self.startup_timeout = startup_timeout
 
     def __enter__(self) -> "Server":
@@ -352,7 +352,7 @@ def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tok
         torch.cuda.empty_cache()
     max_context = max(max(prompt_lens), decode_prompt) + max_tokens + 64
     with Server(artifact, backend=backend, max_concurrency=max(levels), max_context=max_context,
-                prefill_chunk=1024, startup_timeout=startup_timeout) as srv:
+                startup_timeout=startup_timeout) as srv:
         ours = asyncio.run(drive(srv.url, prompt_lens, levels, decode_prompt, max_tokens))
     add_rooflines(ours, cfg, fmt, ceilings)
     result = {"artifact": str(artifact), "weights": fmt, "backend": "cuda" if gpu else "reference",

@@ -76,11 +76,15 @@ def shout(text: str) -> None:
               help="A jinja chat template file that replaces the artifact's.")
 @click.option("--backend", type=click.Choice(["auto", "cuda", "reference"]), default="auto", show_default=True,
               help="Generated CUDA kernels, or the torch reference (CPU without a GPU); auto picks cuda on a GPU.")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=512, show_default=True,
-              help="Prompt tokens per prefill step (long prompts interleave with decode steps).")
+@click.option("--prefill-chunk", type=click.IntRange(1), default=2048, show_default=True,
+              help="Most prompt tokens per prefill step, while no other request decodes (every step reads all "
+                   "the weights; GPU memory is planned for this many).")
+@click.option("--prefill-chunk-decoding", type=click.IntRange(1), default=512, show_default=True,
+              help="Prompt tokens per prefill step while other requests decode (long prompts interleave with "
+                   "their decode steps); at most --prefill-chunk.")
 def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_context, max_pending_requests,
          pending_timeout_ms, max_request_mib, default_max_tokens, request_log_jsonl, request_log_max_mib,
-         request_log_keep, tolerant_tool_calls, chat_template, backend, prefill_chunk):
+         request_log_keep, tolerant_tool_calls, chat_template, backend, prefill_chunk, prefill_chunk_decoding):
     """Serve ARTIFACT (a .ninfer file) over OpenAI Chat Completions, OpenAI Responses and Anthropic Messages."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if demo == (artifact is not None):
@@ -101,14 +105,15 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
                           max_request_mib=max_request_mib, default_max_tokens=default_max_tokens,
                           log_path=request_log_jsonl, log_max_mib=request_log_max_mib, log_keep=request_log_keep,
                           tolerant=tolerant_tool_calls, template=chat_template, backend=backend,
-                          prefill_chunk=prefill_chunk, demo=demo))
+                          prefill_chunk=prefill_chunk, prefill_chunk_decoding=prefill_chunk_decoding, demo=demo))
     except KeyboardInterrupt:
         pass
 
 
 def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending, pending_timeout_ms,
                 max_request_mib=64.0, default_max_tokens=8192, log_path=None, log_max_mib=64.0, log_keep=3,
-                tolerant=False, template=None, backend="auto", prefill_chunk=512, api_key=None, engine=None):
+                tolerant=False, template=None, backend="auto", prefill_chunk=2048, prefill_chunk_decoding=512,
+                api_key=None, engine=None):
     """Engine, scheduler and server state (also what tests start in-process)."""
     from ninfer.runtime.artifact import ArtifactError
     from ninfer.runtime.chat import ChatError
@@ -127,7 +132,8 @@ def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending
         text = ModelText(engine.art, template)
     except (ArtifactError, EngineError, TokenizerError, ChatError, OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    sched = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms)
+    sched = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms,
+                      prefill_chunk_decoding=prefill_chunk_decoding)
     cfg = ServerConfig(model_id=model_id, api_key=api_key, max_request_mib=max_request_mib,
                        default_max_tokens=default_max_tokens, tolerant_tool_calls=tolerant)
     log = RequestLog(log_path, log_max_mib, log_keep) if log_path else NullLog()
@@ -143,7 +149,8 @@ async def serve(artifact, *, host, port, demo=False, api_key=None, **options) ->
     state.request_log.write("server_start", artifact=str(artifact), model_id=state.model_id, host=host, port=bound,
                             backend=engine.be.name, max_concurrency=engine.cache.max_seqs,
                             max_context=state.max_context, kv_pages=engine.cache.num_pages,
-                            prefill_chunk=engine.prefill_chunk, auth=bool(api_key), demo=demo,
+                            prefill_chunk=engine.prefill_chunk,
+                            prefill_chunk_decoding=state.scheduler.prefill_chunk_decoding, auth=bool(api_key), demo=demo,
                             argv=_redacted(sys.argv))
     click.echo(f"ninfer-serve: {state.model_id} on http://{host}:{bound}  (backend {engine.be.name}, "
                f"{engine.cache.max_seqs} lanes, context {state.max_context}, {engine.cache.num_pages} KV pages, "

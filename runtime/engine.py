@@ -200,11 +200,12 @@ class Engine:
         self._counts[seq.slot].zero_()
         return seq
 
-    def prefill(self, seq: Sequence) -> bool:
-        """Run the next prompt chunk; after the last one, choose the first token. True when prefill is done."""
+    def prefill(self, seq: Sequence, max_tokens: int | None = None) -> bool:
+        """Run the next prompt chunk (prefill_chunk tokens, or fewer when max_tokens says so); after the last one,
+        choose the first token. True when prefill is done."""
         t0 = time.perf_counter()
         n, a = len(seq.prompt), seq.prefilled
-        b = min(a + self.prefill_chunk, n)
+        b = min(a + min(max_tokens or self.prefill_chunk, self.prefill_chunk), n)
         logits = self._step([seq], [(a, b)])
         seq.prefilled = b
         if b == n:

@@ -7,7 +7,9 @@ admitted request's reservation (prompt + output limit), so a running request nev
 
 Continuous batching: every iteration runs one decode step for every decoding request (new requests join
 the batch as soon as their prefill is done) and then one prefill chunk of the oldest prefilling request,
-so a long prompt is interleaved with decode steps and running streams keep producing tokens.
+so a long prompt is interleaved with decode steps and running streams keep producing tokens. The chunk is
+the engine's prefill_chunk while no request decodes (the fewest steps: each step reads every weight), and
+at most prefill_chunk_decoding tokens while some do (their next token waits for the chunk).
 
 Each request gets events back on its own asyncio queue: `Text` (new stable text and the token count),
 then exactly one `Done` (finish reason, usage and timings) or `Failed`. Cancelling (client disconnect,
@@ -143,8 +145,12 @@ class Handle:
 
 class Scheduler:
     def __init__(self, engine, *, max_pending: int = 64, pending_timeout_ms: int = 300_000,
-                 max_context: int | None = None):
+                 max_context: int | None = None, prefill_chunk_decoding: int | None = None):
+        if prefill_chunk_decoding is not None and prefill_chunk_decoding < 1:
+            raise ValueError(f"prefill_chunk_decoding must be >= 1 (or None: the engine's prefill_chunk), "
+                             f"got {prefill_chunk_decoding}")
         self.engine = engine
+        self.prefill_chunk_decoding = prefill_chunk_decoding
         cache = engine.cache
         # copied once so that the loop thread can check requests without touching the engine
         self.max_seqs = cache.max_seqs
@@ -341,7 +347,7 @@ class Scheduler:
             before = seq.prefilled
             t0 = time.perf_counter()
             try:
-                done = self.engine.prefill(seq)
+                done = self.engine.prefill(seq, self.prefill_chunk_decoding if self._decoding else None)
             except Exception as e:
                 log.exception("prefill chunk failed")
                 self._fail(h, EngineFailure(f"prefill failed: {type(e).__name__}: {e}"), out)

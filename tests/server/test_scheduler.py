@@ -19,16 +19,18 @@ def engine(demo_artifact):
 
 
 class Spy:
-    """Records the engine calls the worker makes: ("prefill", seq) and ("decode", [seqs])."""
+    """Records the engine calls the worker makes: ("prefill", seq, tokens run) and ("decode", [seqs])."""
 
     def __init__(self, eng):
         self.eng, self.calls = eng, []
         self._prefill, self._decode = eng.prefill, eng.decode
 
     def __enter__(self):
-        def prefill(seq):
-            self.calls.append(("prefill", id(seq)))
-            return self._prefill(seq)
+        def prefill(seq, max_tokens=None):
+            before = seq.prefilled
+            done = self._prefill(seq, max_tokens)
+            self.calls.append(("prefill", id(seq), seq.prefilled - before))
+            return done
 
         def decode(seqs):
             self.calls.append(("decode", [id(s) for s in seqs]))
@@ -70,13 +72,41 @@ def test_long_prefill_interleaves_with_running_decode(engine):
     assert isinstance(ra[-1], S.Done) and isinstance(rb[-1], S.Done)
     assert rb[-1].completion_tokens == 3 and rb[-1].prompt_tokens == 100
     a_seq = a.seq
-    b_prefills = [i for i, c in enumerate(calls) if c == ("prefill", id(b.seq))]
+    b_prefills = [i for i, c in enumerate(calls) if c[:2] == ("prefill", id(b.seq))]
     assert len(b_prefills) == 13
     between = calls[b_prefills[0]:b_prefills[-1]]
     decodes_with_a = [c for c in between if c[0] == "decode" and id(a_seq) in c[1]]
     assert len(decodes_with_a) >= 12, "A must keep decoding between B's prefill chunks"
     # once B is prefilled, both decode in one batch
     assert any(c[0] == "decode" and set(c[1]) == {id(a_seq), id(b.seq)} for c in calls[b_prefills[-1]:])
+    assert engine.cache.in_use == (0, 0)
+
+
+def test_prefill_runs_whole_chunks_alone_and_smaller_ones_beside_decoding(engine):
+    """prefill_chunk tokens per step while nothing decodes (fewest steps), prefill_chunk_decoding while a
+    request decodes (its next token waits for the chunk)."""
+    async def main():
+        s = S.Scheduler(engine, max_pending=4, prefill_chunk_decoding=3)
+        try:
+            with Spy(engine) as spy:
+                alone = s.submit(req(20, 2))
+                await drain(alone)
+                a = s.submit(req(5, 40))
+                got = 0
+                while got < 2:                  # A is decoding
+                    ev = await a.events.get()
+                    got += isinstance(ev, S.Text)
+                b = s.submit(req(20, 2))
+                await asyncio.gather(drain(a), drain(b))
+            return spy.calls, alone, b
+        finally:
+            s.close()
+    calls, alone, b = asyncio.run(main())
+    steps = lambda h: [c[2] for c in calls if c[:2] == ("prefill", id(h.seq))]  # noqa: E731
+    assert steps(alone) == [8, 8, 4]                 # the engine's prefill_chunk (8)
+    assert steps(b) == [3] * 6 + [2]                 # beside A's decode steps
+    with pytest.raises(ValueError, match="prefill_chunk_decoding must be >= 1"):
+        S.Scheduler(engine, prefill_chunk_decoding=0)
     assert engine.cache.in_use == (0, 0)
 
 
