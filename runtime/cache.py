@@ -85,8 +85,10 @@ def plan_kv_pages(cfg: HybridConfig, device, dtype, max_seqs: int, max_context: 
     gdn_bytes = (cfg.layers - attn_layers) * (max_seqs + 1) * (
         cfg.v_heads * cfg.k_dim * cfg.v_dim * 4 + cfg.conv_channels * (cfg.conv_width - 1) * 2)
     free, _ = torch.cuda.mem_get_info(device)
-    # activations of the largest prefill chunk (a few [chunk, widest projection] buffers) plus headroom
-    widest = max(cfg.intermediate * 2, cfg.conv_channels, cfg.experts * 2 * max(cfg.expert_intermediate, 1), cfg.vocab // 8)
+    # activations of the largest prefill chunk (a few [chunk, widest projection] buffers, in bf16 elements; the
+    # MoE forms' fp32 per-slot buffers h [chunk, K, I] and ys [chunk, K, H] count twice) plus headroom
+    widest = max(cfg.intermediate * 2, cfg.conv_channels, 2 * cfg.experts_per_token * max(cfg.hidden, cfg.expert_intermediate),
+                 cfg.vocab // 8)
     reserve = (1 << 30) + 8 * prefill_chunk * max(widest, cfg.hidden) * 2 + scratch_bytes
     fit = (free - gdn_bytes - reserve) // page_bytes
     if fit < pages_per_seq:
