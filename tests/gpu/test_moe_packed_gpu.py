@@ -92,6 +92,14 @@ def routing(T, E, K, g):
     return ids, w
 
 
+def reroute(ins, shape, g):
+    """New x and routing for one token, written into the captured buffers."""
+    ins["x"].copy_(torch.randn(1, shape["H"], device="cuda", generator=g).bfloat16())
+    ids, w = routing(1, shape["E"], shape["K"], g)
+    ins["ids"].copy_(ids)
+    ins["weights"].copy_(w)
+
+
 def inputs(pair, shape, T, seed):
     g = gen(seed)
     gate_up, down = packed(*pair, shape)
@@ -185,10 +193,7 @@ def test_cuda_graph_t1(be, ref, pair, shape):
     graph = capture(plan)
     g = gen(1234)
     for trial in range(3):
-        ins["x"].copy_(torch.randn(1, shape["H"], device="cuda", generator=g).bfloat16())
-        ids, w = routing(1, shape["E"], shape["K"], g)
-        ins["ids"].copy_(ids)
-        ins["weights"].copy_(w)
+        reroute(ins, shape, g)
         y.fill_(float("nan"))
         replayed, = replay_then_eager(graph, plan, y)
         assert torch.equal(replayed, y), f"{op} replay {trial} differs from eager"
@@ -302,10 +307,7 @@ def test_split_cuda_graph_t1(be, ref):
     graph = capture(both)
     g = gen(4321)
     for trial in range(3):
-        ins["x"].copy_(torch.randn(1, shape["H"], device="cuda", generator=g).bfloat16())
-        ids, w = routing(1, shape["E"], shape["K"], g)
-        ins["ids"].copy_(ids)
-        ins["weights"].copy_(w)
+        reroute(ins, shape, g)
         y.fill_(float("nan"))
         replayed, = replay_then_eager(graph, both, y)
         assert torch.equal(replayed, y), f"replay {trial} differs from eager"
