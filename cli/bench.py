@@ -34,6 +34,9 @@ CASES = [
     ("linear_q4", {"N": 5120, "K": 17408}, [1, 8, 4096]),
     ("linear_q4", {"N": 248320, "K": 5120}, [1]),
     *((f"linear_{f}", {"N": 17408, "K": 5120}, [1, 4096]) for f in ("q5", "q6", "w8", "fp8")),
+    # prefill decodes each packed matrix into a bf16 scratch (T = its rows): 27B gate_up and down
+    *((f"dequant_{f}", {"K": 5120}, [34816]) for f in ("q4", "q5", "q6", "w8", "fp8")),
+    ("dequant_q4", {"K": 17408}, [5120]),
     ("gdn_delta_rule", {"HV": 48, "DK": 128, "DV": 128}, [1, 8, 31, 32, 1024]),   # one sequence of T tokens
     ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 2, 4, 8]),   # T sequences at ATTN_CONTEXT
     # the routed experts of a 35B-A3B MoE layer: the single op, and its split decode form (gate_up, then down)
@@ -131,6 +134,7 @@ def _flops(op: str, T: int, problem: dict) -> int:
 
 
 def _make(torch, contract, dtype, dims, rng, op=""):
+    """Random inputs and outputs of an op at these dims, on the generator's device."""
     from ninfer.runtime.contracts import TORCH_DTYPES
     from ninfer.runtime.formats import nbytes
     from ninfer.runtime.weights import random_packed
@@ -141,7 +145,9 @@ def _make(torch, contract, dtype, dims, rng, op=""):
         return _make_attention(torch, dims, rng)
     if op.startswith("moe_"):
         return _make_moe(torch, contract, op, dims, rng)
-    packed = op.split("_", 1)[1] if op.startswith("linear_") else None
+    packed = op.split("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
+    if op.startswith("dequant_"):   # T rows of a packed [T, K] matrix
+        dims["N"] = dims["T"]
     if packed:
         dims["WB"] = nbytes(packed, (dims["N"], dims["K"]))
 
@@ -159,11 +165,11 @@ def _make(torch, contract, dtype, dims, rng, op=""):
     for name, spec in {**contract["inputs"], **contract["outputs"]}.items():
         dt = TORCH_DTYPES[dtype if spec["dtype"] == "$dtype" else spec["dtype"]]
         if dt == torch.uint8:
-            ts[name] = random_packed(packed, (dims["N"], dims["K"]), "cuda", rng, dims["K"] ** -0.5).data
+            ts[name] = random_packed(packed, (dims["N"], dims["K"]), rng.device, rng, dims["K"] ** -0.5).data
         elif dt == torch.int32:
-            ts[name] = torch.randint(0, dims.get("V", 1), shape(spec), device="cuda", dtype=dt, generator=rng)
+            ts[name] = torch.randint(0, dims.get("V", 1), shape(spec), device=rng.device, dtype=dt, generator=rng)
         else:
-            ts[name] = torch.randn(shape(spec), device="cuda", dtype=torch.float32, generator=rng).to(dt)
+            ts[name] = torch.randn(shape(spec), device=rng.device, dtype=torch.float32, generator=rng).to(dt)
     return ts
 
 

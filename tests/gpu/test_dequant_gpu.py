@@ -17,16 +17,21 @@ def backends():
 
 
 @pytest.mark.parametrize("fmt", PACKED)
-@pytest.mark.parametrize("n,k", [(1, 8), (77, 200), (130, 72), (300, 5120), (2048, 512)])
+@pytest.mark.parametrize("n,k", [(1, 8), (77, 200), (130, 72), (300, 5120), (2048, 512), (129, 17408)])
 def test_dequant_is_exact(backends, fmt, n, k):
+    """The table's route and every route instance by name."""
     cuda, ref = backends
     w = np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32) * 0.05
     packed = torch.from_numpy(encode(fmt, w)).cuda()
-    y = torch.full((n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cuda.run(f"dequant_{fmt}", w=packed, y=y)
-    want = torch.empty_like(y)
+    want = torch.empty((n, k), dtype=torch.bfloat16, device="cuda")
     ref.run(f"dequant_{fmt}", w=packed.clone(), y=want)
-    assert torch.equal(y, want)
+    op = f"dequant_{fmt}"
+    routes = sorted(kk.instance for kk in cuda.manifest.kernels.values() if kk.op == op and kk.arch == cuda.device.arch)
+    assert len(routes) > 1
+    for route in [None, *routes]:
+        y = torch.full((n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+        cuda.run(op, route=route, w=packed, y=y)
+        assert torch.equal(y, want), f"{op} [{n}, {k}] via {route or 'the table'}"
 
 
 def test_long_prefill_over_packed_weights_matches_the_reference():

@@ -53,3 +53,13 @@ def test_by_name_is_what_no_shape_carries():
     assert by_name(be.contract("moe_gate_up_q4"), moe) == {"E": 16}
     assert by_name(be.contract("moe_down_grouped_q4"), moe) == {}
     assert by_name(be.contract("linear_q4"), {"N": 8, "K": 16}) == {}
+
+
+def test_dequant_inputs_are_a_packed_matrix_of_t_rows():
+    from ninfer.cli.bench import _make
+    be = ReferenceBackend()
+    dims = {"T": 130, "K": 256}
+    ts = _make(torch, be.contract("dequant_q4"), "bf16", dict(dims), torch.Generator().manual_seed(0), "dequant_q4")
+    assert ts["w"].numel() == nbytes("q4", (130, 256)) and tuple(ts["y"].shape) == (130, 256)
+    be.run("dequant_q4", **ts)
+    assert torch.isfinite(ts["y"].float()).all()
