@@ -41,17 +41,9 @@ DEQUANT_MIN_T = 256
 DEQUANT_MAX_BYTES = 512 << 20
 
 
-# Packed MoE experts (SparseMoE.packed_experts): up to MOE_SPLIT_MAX_T tokens they run split in two launches
-# (moe_gate_up_<fmt>, moe_down_<fmt>) whose blocks cover every SM; from MOE_GROUPED_MIN_T tokens on, grouped by
-# expert (moe_align, moe_gate_up_grouped_<fmt>, moe_down_grouped_<fmt>, moe_sum); in between, and while a form
-# is off (0 / None), the token-centric single op moe_experts_<fmt>. Both forms stay off until their kernels have
-# passed their GPU tests and the crossovers are measured on the H200: they were written in a session without a
-# GPU (PERF_NOTES.md, session 8).
-# NINFER_MOE_SPLIT_MAX_T / NINFER_MOE_GROUPED_MIN_T (a token count, or "off") override them for A/B runs.
-def _env_tokens(name: str, default: int | None) -> int | None:
-    v = os.environ.get(name)
-    if v is None:
-        return default
+def _env_tokens(name: str) -> int | None:
+    """A token count from the environment (A/B runs); None when unset or "off"."""
+    v = os.environ.get(name, "off")
     if v == "off":
         return None
     if not v.isdigit():
@@ -59,8 +51,14 @@ def _env_tokens(name: str, default: int | None) -> int | None:
     return int(v)
 
 
-MOE_SPLIT_MAX_T = _env_tokens("NINFER_MOE_SPLIT_MAX_T", None) or 0
-MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", None)
+# Packed MoE experts (SparseMoE.packed_experts): up to MOE_SPLIT_MAX_T tokens they run split in two launches
+# (moe_gate_up_<fmt>, moe_down_<fmt>) whose blocks cover every SM; from MOE_GROUPED_MIN_T tokens on, grouped by
+# expert (moe_align, moe_gate_up_grouped_<fmt>, moe_down_grouped_<fmt>, moe_sum); in between, and while a form
+# is off (0 / None), the token-centric single op moe_experts_<fmt>. Both forms stay off until their kernels have
+# passed their GPU tests and the crossovers are measured on the H200: they were written in a session without a
+# GPU (PERF_NOTES.md, session 8). NINFER_MOE_SPLIT_MAX_T / NINFER_MOE_GROUPED_MIN_T override them (A/B runs).
+MOE_SPLIT_MAX_T = _env_tokens("NINFER_MOE_SPLIT_MAX_T") or 0
+MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T")
 
 
 def dequant_scratch_bytes(weights: dict) -> int:

@@ -178,3 +178,15 @@ def test_moe_grouped_form_computes_moe_experts(be, fmt):
     want = torch.full((T, H), float("nan"))
     be.run(f"moe_experts_{fmt}", x=x, gate_up=gate_up, down=down, weights=zeroed, ids=valid, y=want, E=E, I=I)
     assert torch.allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_form_thresholds_read_from_the_environment(monkeypatch):
+    from ninfer.runtime.models.blocks import _env_tokens
+    monkeypatch.delenv("NINFER_TEST_TOKENS", raising=False)
+    assert _env_tokens("NINFER_TEST_TOKENS") is None
+    for value, want in [("off", None), ("0", 0), ("17", 17)]:
+        monkeypatch.setenv("NINFER_TEST_TOKENS", value)
+        assert _env_tokens("NINFER_TEST_TOKENS") == want
+    monkeypatch.setenv("NINFER_TEST_TOKENS", "-1")
+    with pytest.raises(ValueError, match=r"NINFER_TEST_TOKENS='-1': expected a token count"):
+        _env_tokens("NINFER_TEST_TOKENS")
