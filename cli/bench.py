@@ -15,6 +15,7 @@ import sys
 
 import click
 
+from ninfer.cli.bench_inputs import GDN_K_HEADS, by_name, make_inputs, moe_sets, op_bytes, op_flops, rotating_sets
 from ninfer.cli.bench_serve import serve_cmd
 
 MOE_35B = {"H": 2048, "E": 256, "I": 512, "K": 8}
@@ -47,9 +48,6 @@ CASES = [
     *((op, MOE_35B, [64, 256, 1024, 4096]) for op in ("moe_align", "moe_gate_up_grouped_q4", "moe_down_grouped_q4",
                                                        "moe_sum")),
 ]
-ATTN_CONTEXT = 8192
-GDN_K_HEADS = 16
-L2_BYTES = 60 << 20
 
 
 def measure_ceilings(torch) -> tuple[float, float]:
@@ -92,176 +90,7 @@ def _time_graph(torch, plans, reps: int, launches: int = 20) -> float:
     return _time(torch, capture(launch_all, warm_each).replay, reps) / launches
 
 
-def footprint(tensors: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def rotating_sets(base: dict, factor: int = 3, most: int = 8) -> list[dict]:
-    """`base` and up to most-1 clones whose bytes together exceed factor x the L2, so launches that cycle
-    through them are timed from HBM, not from cache."""
-    copies = max(1, min(most, -(-factor * L2_BYTES // footprint(base))))
-    return [base] + [{k: v.clone() for k, v in base.items()} for _ in range(copies - 1)]
-
-
-def _bytes(op, tensors, dims) -> int:
-    """Fewest bytes the op must move: each input read once, each output written once (MoE experts: only the
-    experts the tokens choose)."""
-    if op.startswith("moe_"):
-        from ninfer.runtime.formats import nbytes
-        gfmt, dfmt = _moe_formats(op)
-        per_expert = ((nbytes(gfmt, (2 * dims["I"], dims["H"])) if gfmt else 0)
-                      + (nbytes(dfmt, (dims["H"], dims["I"])) if dfmt else 0))
-        acts = sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in ("gate_up", "down"))
-        if "ids" in tensors:
-            chosen = tensors["ids"].unique().numel()
-        else:   # the grouped ops: the experts moe_align gave pairs to
-            chosen = int((tensors["offsets"].diff(prepend=tensors["offsets"].new_zeros(1)) > 0).sum()) if per_expert else 0
-        return chosen * per_expert + acts
-    if op == "embedding":  # only the gathered rows of the table are read
-        return tensors["ids"].numel() * 4 + 2 * tensors["y"].numel() * tensors["y"].element_size()
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def _flops(op: str, T: int, problem: dict) -> int:
-    """Multiply-add FLOPs of a linear or expert op (0 for the others)."""
-    if op.startswith("linear"):
-        return 2 * T * problem["N"] * problem["K"]
-    if op.startswith("moe_") and op not in ("moe_align", "moe_sum"):
-        gfmt, dfmt = _moe_formats(op)
-        per_pair = (2 * problem["I"] * problem["H"] if gfmt else 0) + (problem["H"] * problem["I"] if dfmt else 0)
-        return 2 * T * problem["K"] * per_pair
-    return 0
-
-
-def _make(torch, contract, dtype, dims, rng, op=""):
-    """Random inputs and outputs of an op at these dims, on the generator's device."""
-    from ninfer.runtime.contracts import TORCH_DTYPES
-    from ninfer.runtime.formats import nbytes
-    from ninfer.runtime.weights import random_packed
-
-    if op == "gdn_delta_rule":
-        return _make_gdn(torch, dims, rng)
-    if op == "paged_attention":
-        return _make_attention(torch, dims, rng)
-    if op.startswith("moe_"):
-        return _make_moe(torch, contract, op, dims, rng)
-    packed = op.split("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
-    if op.startswith("dequant_"):   # T rows of a packed [T, K] matrix
-        dims["N"] = dims["T"]
-    if packed:
-        dims["WB"] = nbytes(packed, (dims["N"], dims["K"]))
-
-    def shape(spec):
-        out = []
-        for d in spec["shape"]:
-            if isinstance(d, int):
-                out.append(d)
-            else:
-                mult, _, name = d.rpartition("*")
-                out.append(int(mult or 1) * dims[name])
-        return out
-
-    ts = {}
-    for name, spec in {**contract["inputs"], **contract["outputs"]}.items():
-        dt = TORCH_DTYPES[dtype if spec["dtype"] == "$dtype" else spec["dtype"]]
-        if dt == torch.uint8:
-            ts[name] = random_packed(packed, (dims["N"], dims["K"]), rng.device, rng, dims["K"] ** -0.5).data
-        elif dt == torch.int32:
-            ts[name] = torch.randint(0, dims.get("V", 1), shape(spec), device=rng.device, dtype=dt, generator=rng)
-        else:
-            ts[name] = torch.randn(shape(spec), device=rng.device, dtype=torch.float32, generator=rng).to(dt)
-    return ts
-
-
-def _make_gdn(torch, dims, rng):
-    """One sequence of T tokens through the delta rule (prefill when T is large), real-looking gates."""
-    T, hv, dk, dv = dims["T"], dims["HV"], dims["DK"], dims["DV"]
-    dev = "cuda"
-    return {"qkv": torch.randn(T, 2 * GDN_K_HEADS * dk + hv * dv, device=dev, generator=rng).bfloat16(),
-            "g": -torch.rand(T, hv, device=dev, generator=rng) * 2, "beta": torch.rand(T, hv, device=dev, generator=rng),
-            "query_start": torch.tensor([0, T], dtype=torch.int32, device=dev),
-            "slots": torch.zeros(1, dtype=torch.int32, device=dev),
-            "state": torch.randn(2, hv, dk, dv, device=dev, generator=rng) * 0.1,
-            "o": torch.empty(T, hv, dv, device=dev, dtype=torch.bfloat16)}
-
-
-def _make_attention(torch, dims, rng):
-    """A decode step: T sequences of ATTN_CONTEXT tokens each, one query token per sequence, every page of
-    the cache belonging to one of them (so the cache's bytes are the bytes the step must read)."""
-    T, nh, nkv, d, bs = dims["T"], dims["NH"], dims["NKV"], dims["D"], dims["BS"]
-    mb = ATTN_CONTEXT // bs
-    dev = "cuda"
-    cache = lambda: torch.randn(T * mb, bs, nkv, d, device=dev, generator=rng).bfloat16()  # noqa: E731
-    return {"q": torch.randn(T, nh, d, device=dev, generator=rng).bfloat16(), "k_cache": cache(), "v_cache": cache(),
-            "block_table": torch.randperm(T * mb, device=dev, generator=rng).int().view(T, mb),
-            "token_seq": torch.arange(T, dtype=torch.int32, device=dev),
-            "positions": torch.full((T,), ATTN_CONTEXT - 1, dtype=torch.int32, device=dev),
-            "o": torch.empty(T, nh, d, device=dev, dtype=torch.bfloat16)}
-
-
-def _moe_formats(op: str) -> tuple[str | None, str | None]:
-    """(gate_up format, down format) an expert op reads: moe_experts (bf16), moe_experts_q4, moe_experts_q4_q5,
-    moe_gate_up[_grouped]_q4 (no down), moe_down[_grouped]_q5 (no gate_up); moe_align and moe_sum read no weights."""
-    if op == "moe_experts":   # bf16 experts, [E, 2I, H] and [E, H, I]
-        return "bf16", "bf16"
-    if op.startswith("moe_experts_"):
-        fmts = op.split("_")[2:]
-        return fmts[0], fmts[-1]
-    fmt = op.rsplit("_", 1)[1]
-    return (fmt, None) if op.startswith("moe_gate_up_") else (None, fmt) if op.startswith("moe_down_") else (None, None)
-
-
-def _moe_routing(torch, dims, rng, names) -> dict:
-    """Fresh activations and routing for the tensors named: K distinct experts per token, softmax weights, and
-    moe_align's order and offsets of those ids."""
-    from ninfer.runtime.reference import moe_align
-    T, H, E, I, K = (dims[d] for d in ("T", "H", "E", "I", "K"))
-    dev = rng.device
-    ids = torch.rand(T, E, device=dev, generator=rng).argsort(-1)[:, :K].int().contiguous()
-    make = {"x": lambda: torch.randn(T, H, device=dev, generator=rng).bfloat16(),
-            "ids": lambda: ids,
-            "weights": lambda: torch.softmax(torch.randn(T, K, device=dev, generator=rng), -1).contiguous(),
-            "h": lambda: torch.randn(T, K, I, device=dev, generator=rng),
-            "ys": lambda: torch.randn(T, K, H, device=dev, generator=rng),
-            "y": lambda: torch.empty(T, H, device=dev, dtype=torch.bfloat16)}
-    out = {k: make[k]() for k in names if k in make}
-    if "order" in names or "offsets" in names:
-        out.update(moe_align(ids, {"E": E}))
-    return out
-
-
-def _make_moe(torch, contract, op, dims, rng):
-    """Random packed experts of every E and one token batch's routing (the tensors the contract names)."""
-    from ninfer.runtime.weights import random_packed
-    H, E, I = dims["H"], dims["E"], dims["I"]
-    gfmt, dfmt = _moe_formats(op)
-    ts = _moe_routing(torch, dims, rng, [*contract["inputs"], *contract["outputs"]])
-    def weights(fmt, rows, cols):
-        if fmt == "bf16":
-            return (torch.randn(E, rows, cols, device=rng.device, generator=rng) * cols ** -0.5).bfloat16()
-        return random_packed(fmt, (E * rows, cols), rng.device, rng, cols ** -0.5).data
-    if gfmt:
-        ts["gate_up"] = weights(gfmt, 2 * I, H)
-    if dfmt:
-        ts["down"] = weights(dfmt, H, I)
-    return ts
-
-
-def _moe_sets(torch, base, dims, rng, n: int = 8) -> list[dict]:
-    """`base` and n-1 sets with the same expert weights (hundreds of MB) but their own routing, so launches
-    that cycle through them read other experts each time instead of the last launch's from the L2."""
-    return [base] + [{**base, **_moe_routing(torch, dims, rng, [k for k in base if k not in ("gate_up", "down")])}
-                     for _ in range(n - 1)]
-
-
 OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5}}
-
-
-def by_name(contract: dict, problem: dict) -> dict:
-    """The problem dims a contract takes by name: those no tensor's shape carries (the MoE ops' E, I)."""
-    tensors = {**contract["inputs"], **contract["outputs"], **contract["states"]}
-    in_shapes = {str(d).rpartition("*")[2] for spec in tensors.values() for d in spec["shape"]}
-    return {d: v for d, v in problem.items() if d not in in_shapes}
 
 
 def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
@@ -290,16 +119,16 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
             sets = None
             for inst in instances:
                 if sets is None:
-                    base = _make(torch, contract, "bf16", dims, rng, op)
-                    nbytes = _bytes(op, base, dims)
-                    sets = _moe_sets(torch, base, dims, rng) if op.startswith("moe_") else rotating_sets(base)
+                    base = make_inputs(torch, contract, "bf16", dims, rng, op)
+                    nbytes = op_bytes(op, base, dims)
+                    sets = moe_sets(torch, base, dims, rng) if op.startswith("moe_") else rotating_sets(base)
                 try:
                     plans = [be.plan(op, route=inst, **s, **OP_PARAMS.get(op, {}), **by_name(contract, problem))
                              for s in sets]
                 except RouteError:
                     continue  # this route's constraints exclude the problem (e.g. T above its tmax)
                 secs = _time_graph(torch, plans, reps)
-                flops = _flops(op, T, problem)
+                flops = op_flops(op, T, problem)
                 gbs = nbytes / secs / 1e9
                 row = {"op": op, "problem": problem, "T": T, "route": inst, "selected": inst == chosen,
                        "us": secs * 1e6, "GB/s": gbs, "bw_frac": gbs / copy_gbs,

@@ -129,7 +129,8 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
     every instance's time)."""
     import torch
 
-    from ninfer.cli.bench import _make, _moe_sets, _time_graph, by_name, footprint, rotating_sets
+    from ninfer.cli.bench import _time_graph
+    from ninfer.cli.bench_inputs import by_name, footprint, make_inputs, moe_sets, rotating_sets
     contract = be.contract(op)
     params = by_name(contract, problem)
     kernels = [k for k in be.manifest.kernels.values() if k.op == op and k.arch == be.device.arch and k.dtype == "bf16"]
@@ -138,10 +139,10 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
     winners = []
     for i, t in enumerate(grid):
         last = grid[i + 1] - 1 if i + 1 < len(grid) else 1 << 30
-        base = _make(torch, contract, "bf16", {"T": t, **problem}, rng, op)
+        base = make_inputs(torch, contract, "bf16", {"T": t, **problem}, rng, op)
         dims = {"T": t, **problem}
         if op.startswith("moe_"):   # the experts are shared; the routing rotates (reads from HBM, not the L2)
-            sets = _moe_sets(torch, base, dims, rng, n=4)
+            sets = moe_sets(torch, base, dims, rng, n=4)
         else:
             sets = rotating_sets(base, factor=2, most=4)
         nbytes = footprint(base)

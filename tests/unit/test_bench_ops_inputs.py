@@ -1,7 +1,8 @@
-"""The inputs `ninfer-bench ops` times the MoE expert ops on (built on the CPU here; the GPU uses the same code)."""
+"""The inputs `ninfer-bench ops` and `ninfer-tune` time ops on (cli/bench_inputs.py), for the MoE expert ops and
+dequant: built on the CPU here, the GPU uses the same code."""
 import torch
 
-from ninfer.cli.bench import _bytes, _make_moe, _moe_sets, by_name
+from ninfer.cli.bench_inputs import _make_moe, by_name, make_inputs, moe_sets, op_bytes
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.formats import nbytes
 
@@ -22,7 +23,7 @@ def test_moe_inputs_follow_the_contract_and_rotate_only_the_routing():
         if "order" in base:
             assert sorted(base["order"].flatten().tolist()) == list(range(DIMS["T"] * DIMS["K"]))
             assert int(base["offsets"][-1]) == DIMS["T"] * DIMS["K"]
-        sets = _moe_sets(torch, base, DIMS, rng, n=4)
+        sets = moe_sets(torch, base, DIMS, rng, n=4)
         assert len(sets) == 4 and all(set(s) == set(base) for s in sets)
         for s in sets[1:]:
             for k in ("gate_up", "down"):
@@ -43,7 +44,7 @@ def test_moe_bytes_count_only_the_chosen_experts():
     chosen = base["ids"].unique().numel()
     per_expert = nbytes("q4", (2 * DIMS["I"], DIMS["H"])) + nbytes("q5", (DIMS["H"], DIMS["I"]))
     acts = sum(base[k].numel() * base[k].element_size() for k in ("x", "weights", "ids", "y"))
-    assert _bytes(op, base, DIMS) == chosen * per_expert + acts
+    assert op_bytes(op, base, DIMS) == chosen * per_expert + acts
 
 
 def test_by_name_is_what_no_shape_carries():
@@ -56,10 +57,9 @@ def test_by_name_is_what_no_shape_carries():
 
 
 def test_dequant_inputs_are_a_packed_matrix_of_t_rows():
-    from ninfer.cli.bench import _make
     be = ReferenceBackend()
     dims = {"T": 130, "K": 256}
-    ts = _make(torch, be.contract("dequant_q4"), "bf16", dict(dims), torch.Generator().manual_seed(0), "dequant_q4")
+    ts = make_inputs(torch, be.contract("dequant_q4"), "bf16", dict(dims), torch.Generator().manual_seed(0), "dequant_q4")
     assert ts["w"].numel() == nbytes("q4", (130, 256)) and tuple(ts["y"].shape) == (130, 256)
     be.run("dequant_q4", **ts)
     assert torch.isfinite(ts["y"].float()).all()
