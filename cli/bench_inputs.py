@@ -8,6 +8,12 @@ GDN_K_HEADS = 16
 L2_BYTES = 60 << 20
 
 
+def is_expert_op(op: str) -> bool:
+    """The routed-expert ops (moe_experts*, their split and grouped forms, moe_align, moe_sum): inputs from
+    make_inputs' MoE branch, sets from moe_sets; not moe_router / moe_topk (plain tensors)."""
+    return op.startswith(("moe_experts", "moe_gate_up_", "moe_down_", "moe_align", "moe_sum"))
+
+
 def footprint(tensors: dict) -> int:
     """Bytes of all the tensors."""
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -23,7 +29,7 @@ def rotating_sets(base: dict, factor: int = 3, most: int = 8) -> list[dict]:
 def op_bytes(op, tensors, dims) -> int:
     """Fewest bytes the op must move: each input read once, each output written once (MoE experts: only the
     experts the tokens choose)."""
-    if op.startswith("moe_"):
+    if is_expert_op(op):
         from ninfer.runtime.formats import nbytes
         gfmt, dfmt = _moe_formats(op)
         per_expert = ((nbytes(gfmt, (2 * dims["I"], dims["H"])) if gfmt else 0)
@@ -43,7 +49,7 @@ def op_flops(op: str, T: int, problem: dict) -> int:
     """Multiply-add FLOPs of a linear or expert op (0 for the others)."""
     if op.startswith("linear"):
         return 2 * T * problem["N"] * problem["K"]
-    if op.startswith("moe_") and op not in ("moe_align", "moe_sum"):
+    if is_expert_op(op) and op not in ("moe_align", "moe_sum"):
         gfmt, dfmt = _moe_formats(op)
         per_pair = (2 * problem["I"] * problem["H"] if gfmt else 0) + (problem["H"] * problem["I"] if dfmt else 0)
         return 2 * T * problem["K"] * per_pair
@@ -60,7 +66,7 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         return _make_gdn(torch, dims, rng)
     if op == "paged_attention":
         return _make_attention(torch, dims, rng)
-    if op.startswith("moe_"):
+    if is_expert_op(op):
         return _make_moe(torch, contract, op, dims, rng)
     packed = op.split("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
     if op.startswith("dequant_"):   # T rows of a packed [T, K] matrix

@@ -1,5 +1,5 @@
-"""`ninfer-tune`: measure every applicable route of every linear and MoE-expert problem of a model on this GPU
-and write the GPU's own route tables, specs/tuned/<gpu>.yaml, which `make generate` validates (closed
+"""`ninfer-tune`: measure every applicable route of every linear, MoE-expert, norm and router problem of a model
+on this GPU and write the GPU's own route tables, specs/tuned/<gpu>.yaml, which `make generate` validates (closed
 catalogue, like any table) and the runtime prefers when it runs on that GPU.
 
 For each (op, problem) and each T of a grid, every route instance that admits the whole span [T, next grid
@@ -42,17 +42,18 @@ def gpu_slug(name: str) -> str:
 
 
 def model_problems(shape: str, fmt: str) -> list[tuple[str, dict]]:
-    """(op, problem) of every projection the model file runs through a linear op ({N, K}) and of its routed
-    experts ({H, E, I, K}), at a model shape with the quantizable matrices in `fmt`."""
+    """(op, problem) of every projection the model file runs through a linear op ({N, K}), of its routed
+    experts ({H, E, I, K}) and of its norms and router, at a model shape with the quantizable matrices in `fmt`."""
     from ninfer.runtime.synthetic import QUANT_SUFFIXES, SHAPES, weight_shapes
     cfg = SHAPES[shape]
     stored = {name: (s, fmt if fmt != "bf16" and name.endswith(QUANT_SUFFIXES) else "bf16")
               for name, s in weight_shapes(cfg).items()}
-    return linear_problems(cfg, stored) + expert_problems(cfg, stored)
+    return linear_problems(cfg, stored) + expert_problems(cfg, stored) + layer_problems(cfg)
 
 
 def artifact_problems(path) -> list[tuple[str, dict]]:
-    """(op, problem) of an artifact's linear projections and routed experts, each in the format it is stored in."""
+    """(op, problem) of an artifact's linear projections and routed experts, each in the format it is stored in,
+    and of its norms and router."""
     from ninfer.runtime.artifact import open_artifact
     from ninfer.runtime.models.config import parse_config
     art = open_artifact(path)
@@ -62,7 +63,7 @@ def artifact_problems(path) -> list[tuple[str, dict]]:
                   if not set(e.flags) & {"mtp", "visual"}}
     finally:
         art.close()
-    return linear_problems(cfg, stored) + expert_problems(cfg, stored)
+    return linear_problems(cfg, stored) + expert_problems(cfg, stored) + layer_problems(cfg)
 
 
 def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
@@ -114,6 +115,15 @@ def expert_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
     return [(op, dict(problem)) for op in sorted(out)]
 
 
+def layer_problems(cfg) -> list[tuple[str, dict]]:
+    """The other per-layer ops with several routes and plain-tensor inputs: the residual norms ({H}) and, in a
+    MoE model, the router ({E, H})."""
+    out = [("add_rms_norm_zc", {"H": cfg.hidden}), ("rms_norm_zc", {"H": cfg.hidden})]
+    if cfg.experts:
+        out.append(("moe_router", {"E": cfg.experts, "H": cfg.hidden}))
+    return out
+
+
 def label(problem: dict) -> str:
     """A problem as --problem spells it: its dims joined by x (N x K; H x E x I x K for the experts)."""
     return "x".join(str(v) for v in problem.values())
@@ -130,7 +140,7 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
     import torch
 
     from ninfer.cli.bench import _time_graph
-    from ninfer.cli.bench_inputs import by_name, footprint, make_inputs, moe_sets, rotating_sets
+    from ninfer.cli.bench_inputs import by_name, footprint, is_expert_op, make_inputs, moe_sets, rotating_sets
     contract = be.contract(op)
     params = by_name(contract, problem)
     kernels = [k for k in be.manifest.kernels.values() if k.op == op and k.arch == be.device.arch and k.dtype == "bf16"]
@@ -141,7 +151,7 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
         last = grid[i + 1] - 1 if i + 1 < len(grid) else 1 << 30
         base = make_inputs(torch, contract, "bf16", {"T": t, **problem}, rng, op)
         dims = {"T": t, **problem}
-        if op.startswith("moe_"):   # the experts are shared; the routing rotates (reads from HBM, not the L2)
+        if is_expert_op(op):   # the experts are shared; the routing rotates (reads from HBM, not the L2)
             sets = moe_sets(torch, base, dims, rng, n=4)
         else:
             sets = rotating_sets(base, factor=2, most=4)
@@ -205,19 +215,21 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
 @click.option("--artifact", type=click.Path(exists=True, dir_okay=False), default=None,
               help="tune the problems of this artifact, each in its stored format (instead of --shape/--weights)")
 @click.option("--shape", type=click.Choice(["qwen3.6-27b", "qwen3.6-35b-a3b"]), default="qwen3.6-27b", show_default=True,
-              help="the model whose linear and expert problems are tuned")
+              help="the model whose problems are tuned")
 @click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8"]), default="bf16",
               show_default=True, help="format of the quantizable matrices")
 @click.option("--op", "ops", multiple=True, help="only these ops (repeatable), e.g. linear_q4")
 @click.option("--problem", "only", multiple=True, metavar="NxK",
-              help="only these problems (repeatable), e.g. 16384x5120 (linear N x K) or 2048x256x512x8 (experts H x E x I x K)")
+              help="only these problems (repeatable), e.g. 16384x5120 (linear N x K), 2048x256x512x8 (experts H x E x I x K), "
+                   "5120 (norms H)")
 @click.option("--grid", default=",".join(map(str, GRID)), show_default=True, help="T values to time")
 @click.option("--reps", default=10, show_default=True)
 @click.option("-v", "--verbose", is_flag=True, help="print every route instance's time, not only the fastest")
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
               help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
 def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> None:
-    """Time every route of every linear and expert problem of a model on this GPU; write specs/tuned/<gpu>.yaml."""
+    """Time every route of every linear, expert, norm and router problem of a model on this GPU; write
+    specs/tuned/<gpu>.yaml."""
     from ninfer.runtime.cuda import gpu_available
     from ninfer.runtime.paths import ROOT
     if not gpu_available():

@@ -63,3 +63,13 @@ def test_dequant_inputs_are_a_packed_matrix_of_t_rows():
     assert ts["w"].numel() == nbytes("q4", (130, 256)) and tuple(ts["y"].shape) == (130, 256)
     be.run("dequant_q4", **ts)
     assert torch.isfinite(ts["y"].float()).all()
+
+
+def test_router_and_norm_inputs_are_plain_tensors():
+    """moe_router is not an expert op: its inputs come from the contract like any op's (so do the norms')."""
+    be = ReferenceBackend()
+    for op, dims in [("moe_router", {"T": 3, "E": 16, "H": 64}), ("add_rms_norm_zc", {"T": 3, "H": 64}),
+                     ("rms_norm_zc", {"T": 3, "H": 64})]:
+        ts = make_inputs(torch, be.contract(op), "bf16", dict(dims), torch.Generator().manual_seed(0), op)
+        assert set(ts) == set(be.contract(op)["inputs"]) | set(be.contract(op)["outputs"])
+        be.run(op, **ts)
