@@ -22,6 +22,7 @@ import yaml
 
 from ninfer.runtime import formats
 from ninfer.runtime.reference_quant import unpack
+from tests.mma_emulation import LANE, mma_16816
 
 ROOT = Path(__file__).resolve().parents[2]
 FMTS = ["q4", "q5", "q6", "w8", "fp8"]
@@ -391,34 +392,6 @@ class Smem:
             self.inflight[lo:lo + n] = False
         self.landed = []
         self._phase()
-
-
-def bf16_pairs_to_f64(words: np.ndarray) -> np.ndarray:
-    """u32 [...] (two bf16) -> float64 [..., 2] (low half first)."""
-    w = np.asarray(words, np.uint32)
-    lo = ((w & 0xFFFF) << 16).astype(np.uint32).view(np.float32)
-    hi = (w & 0xFFFF0000).astype(np.uint32).view(np.float32)
-    return np.stack([lo, hi], axis=-1).astype(np.float64)
-
-
-LANE = np.arange(32)
-G_, C_ = LANE // 4, LANE % 4
-
-
-def mma_16816(a: np.ndarray, b0: np.ndarray, b1: np.ndarray) -> np.ndarray:
-    """a: [4, 32] u32, b0/b1: [32] u32 (fragments) -> D fragments [32, 4] float64 of A(16x16) @ B(16x8)."""
-    af, bf0, bf1 = bf16_pairs_to_f64(a), bf16_pairs_to_f64(b0), bf16_pairs_to_f64(b1)
-    A = np.zeros((16, 16))
-    B = np.zeros((16, 8))
-    for e in range(2):
-        A[G_, 2 * C_ + e] = af[0, :, e]
-        A[G_ + 8, 2 * C_ + e] = af[1, :, e]
-        A[G_, 2 * C_ + 8 + e] = af[2, :, e]
-        A[G_ + 8, 2 * C_ + 8 + e] = af[3, :, e]
-        B[2 * C_ + e, G_] = bf0[:, e]
-        B[2 * C_ + 8 + e, G_] = bf1[:, e]
-    D = A @ B
-    return np.stack([D[G_, 2 * C_], D[G_, 2 * C_ + 1], D[G_ + 8, 2 * C_], D[G_ + 8, 2 * C_ + 1]], axis=1)
 
 
 def ldmatrix_x4(sm: Smem, addrs: np.ndarray, tid0: int) -> np.ndarray:
