@@ -138,6 +138,14 @@ def mma_chunk(f: Fmt, wa, wb, b, mask=None) -> np.ndarray:
     return d
 
 
+def add_scaled(acc, d0, d1, sa, sb) -> None:
+    """_moe_packed.cuh.j2 add_scaled: acc [32, 4] += the two groups' partial sums times their rows' scales."""
+    acc[:, 0] += sa[:, 0] * d0[:, 0] + sa[:, 1] * d1[:, 0]
+    acc[:, 1] += sa[:, 0] * d0[:, 1] + sa[:, 1] * d1[:, 1]
+    acc[:, 2] += sb[:, 0] * d0[:, 2] + sb[:, 1] * d1[:, 2]
+    acc[:, 3] += sb[:, 0] * d0[:, 3] + sb[:, 1] * d1[:, 3]
+
+
 def rows_dot(f: Fmt, w, rows_a, rows_b, bw_words, ns: int):
     """f::rows_dot over warp steps [0, ns): bw_words(s) -> B words [32, NP] of step s. -> acc_a, acc_b [32]."""
     acc_a, acc_b = np.zeros(32), np.zeros(32)
@@ -363,10 +371,7 @@ def emulate_gate_up_grouped(f: Fmt, tile: dict, x, gate_up, order, offsets, I):
                                                for ln in range(32)])
                             d0 = mma_chunk(f, wa, wb, bwords, mask=C_ >= 2)
                             d1 = mma_chunk(f, wa, wb, bwords, mask=C_ < 2)
-                            acc[warp, c, :, 0] += sa[:, 0] * d0[:, 0] + sa[:, 1] * d1[:, 0]
-                            acc[warp, c, :, 1] += sa[:, 0] * d0[:, 1] + sa[:, 1] * d1[:, 1]
-                            acc[warp, c, :, 2] += sb[:, 0] * d0[:, 2] + sb[:, 1] * d1[:, 2]
-                            acc[warp, c, :, 3] += sb[:, 0] * d0[:, 3] + sb[:, 1] * d1[:, 3]
+                            add_scaled(acc[warp, c], d0, d1, sa, sb)
             for warp in range(TASKS):
                 if not i0 + 8 * warp < I:
                     continue
@@ -436,10 +441,7 @@ def emulate_down_grouped(f: Fmt, tile: dict, h, down, weights, order, offsets, H
                                 bwords = np.stack([src[8 * c + G_[ln], idx[ln]] for ln in range(32)])
                                 d0 += mma_chunk(f, wa, wb, bwords, mask=C_ >= 2)
                                 d1 += mma_chunk(f, wa, wb, bwords, mask=C_ < 2)
-                            acc[warp, c, :, 0] += sa[:, 0] * d0[:, 0] + sa[:, 1] * d1[:, 0]
-                            acc[warp, c, :, 1] += sa[:, 0] * d0[:, 1] + sa[:, 1] * d1[:, 1]
-                            acc[warp, c, :, 2] += sb[:, 0] * d0[:, 2] + sb[:, 1] * d1[:, 2]
-                            acc[warp, c, :, 3] += sb[:, 0] * d0[:, 3] + sb[:, 1] * d1[:, 3]
+                            add_scaled(acc[warp, c], d0, d1, sa, sb)
             for warp in range(TASKS):
                 r0 = n0 + 16 * warp
                 if r0 >= H:
