@@ -37,3 +37,9 @@ def bf16_bits(v) -> np.ndarray:
     """float32 values -> their bf16 bits, round to nearest even (as __float2bfloat16_rn)."""
     b = np.asarray(v, np.float32).view(np.uint32).astype(np.uint64)
     return (((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF).astype(np.uint32)
+
+
+def byte_perm(x: int, y: int, s: int) -> int:
+    """__byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of y:x."""
+    src = list(x.to_bytes(4, "little")) + list(y.to_bytes(4, "little"))
+    return int.from_bytes(bytes(src[(s >> (4 * i)) & 7] for i in range(4)), "little")

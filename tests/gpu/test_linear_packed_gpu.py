@@ -192,23 +192,24 @@ def check_graph_capture(be, ref, fmt, route):
     assert not torch.equal(outs[0], outs[1])  # the replays saw the new inputs
 
 
-def test_xs_tiles_with_outliers(be, ref):
+@pytest.mark.parametrize("fmt", ["q4", "q5", "q6"])
+def test_xs_tiles_with_outliers(be, ref, fmt):
     """The xs tiles round x to 16-bit block fixed point per 64-lane group, so one large lane coarsens its
     group (activation outliers, as after an RMSNorm of a residual with massive activations): every group of
     x gets one lane 300x the others, and the result must still meet the op's preset."""
     N, K = 300, 5120
-    w = packed("q4", N, K)
-    xs = {k.instance for k in be.manifest.kernels.values() if k.data["tile_params"].get("xs")}
-    tiles = [(r, tmax) for r, tmax in gemv_tiles(be, "q4", N, K) if r in xs]
+    w = packed(fmt, N, K)
+    xs = {k.instance for k in be.manifest.kernels.values() if k.op == f"linear_{fmt}" and k.data["tile_params"].get("xs")}
+    tiles = [(r, tmax) for r, tmax in gemv_tiles(be, fmt, N, K) if r in xs]
     assert tiles, "no xs tiles admit the shape"
     for route, tmax in tiles:
         for T in range(1, tmax + 1):
             x = activations(T, K, tmax, seed=7 * T)
             x.view(T, K // 64, 64)[:, :, 5] *= 300.0
             ybuf, y = output(T, N)
-            be.plan("linear_q4", route=route, x=x, w=w, y=y)()
+            be.plan(f"linear_{fmt}", route=route, x=x, w=w, y=y)()
             y_ref = torch.empty(T, N, dtype=torch.bfloat16, device="cuda")
-            ref.run("linear_q4", x=x.clone(), w=w.clone(), y=y_ref)
+            ref.run(f"linear_{fmt}", x=x.clone(), w=w.clone(), y=y_ref)
             torch.cuda.synchronize()
             v = compare(y, y_ref, be.manifest.tolerances["linear_tc"], f"{route} T={T} with outliers")
             assert v, v.detail

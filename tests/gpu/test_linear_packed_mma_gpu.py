@@ -22,7 +22,7 @@ import yaml
 
 from ninfer.runtime import formats
 from ninfer.runtime.reference_quant import unpack
-from tests.mma_emulation import LANE, mma_16816
+from tests.mma_emulation import LANE, byte_perm, mma_16816
 
 ROOT = Path(__file__).resolve().parents[2]
 FMTS = ["q4", "q5", "q6", "w8", "fp8"]
@@ -81,11 +81,6 @@ def swz(bk: int, r: int, c: int) -> int:
         return r * bk + ((c ^ (r & 7)) << 3)
     u = r * kc + c
     return (u ^ ((u >> 3) & 7)) << 3
-
-
-def byte_perm(x: int, y: int, s: int) -> int:
-    src = list(x.to_bytes(4, "little")) + list(y.to_bytes(4, "little"))
-    return int.from_bytes(bytes(src[(s >> (4 * i)) & 7] for i in range(4)), "little")
 
 
 def bf16_value(h: int) -> float:
