@@ -339,8 +339,9 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
 @click.option("--concurrency", default="1,2,4,8", show_default=True)
 @click.option("--decode-prompt", default=8192, show_default=True, help="context before the decode measurement")
 @click.option("--steps", default=64, show_default=True, help="decode steps, split over the concurrency levels")
-@click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8"]), default="bf16",
-              show_default=True, help="format of the quantizable matrices (random packed bytes)")
+@click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8", "recipe"]), default="bf16",
+              show_default=True, help="format of the quantizable matrices (random packed bytes; recipe: each role's "
+              "default format, the mix a converted checkpoint gets)")
 @click.option("--profile", type=int, default=0, help="also time each op of one prefill of this many tokens and "
               "of one decode step (eager)")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=1024, show_default=True,

@@ -312,7 +312,8 @@ def _ints(text: str, what: str, lo: int = 1, hi: int | None = None) -> list[int]
 @click.option("--artifact", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="serve this artifact (default: random weights at --shape, written once under --workdir)")
 @click.option("--shape", type=click.Choice(["qwen3.6-27b", "qwen3.6-35b-a3b"]), default="qwen3.6-27b", show_default=True)
-@click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8"]), default="q4", show_default=True)
+@click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8", "recipe"]), default="q4",
+              show_default=True)
 @click.option("--prompts", default="1024,8192,32768", show_default=True, help="prompt lengths for prefill / TTFT")
 @click.option("--concurrency", default="1,2,4,8", show_default=True, help="concurrent streams for decode (1..8)")
 @click.option("--decode-prompt", type=click.IntRange(1), default=8192, show_default=True,
@@ -346,7 +347,10 @@ def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tok
     finally:
         art.close()
     cfg = parse_config(hf_conf)
-    fmt = next((f for f in ("q4", "q5", "q6", "w8", "fp8") if f in formats), "bf16")
+    packed = sorted(formats & {"q4", "q5", "q6", "w8", "fp8"})
+    # the roofline's weight bytes: one packed format, or several (taken as the recipe's mix: synthetic_artifact's
+    # "recipe", or a converted checkpoint with the recipe's defaults)
+    fmt = packed[0] if len(packed) == 1 else "recipe" if packed else "bf16"
     ceilings = measure_ceilings(torch) if gpu else None
     if gpu:
         torch.cuda.empty_cache()

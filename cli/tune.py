@@ -44,10 +44,10 @@ def gpu_slug(name: str) -> str:
 def model_problems(shape: str, fmt: str) -> list[tuple[str, dict]]:
     """(op, problem) of every projection the model file runs through a linear op ({N, K}), of its routed
     experts ({H, E, I, K}) and of its norms and router, at a model shape with the quantizable matrices in `fmt`."""
-    from ninfer.runtime.synthetic import QUANT_SUFFIXES, SHAPES, weight_shapes
+    from ninfer.runtime.synthetic import SHAPES, packed_formats, weight_shapes
     cfg = SHAPES[shape]
-    stored = {name: (s, fmt if fmt != "bf16" and name.endswith(QUANT_SUFFIXES) else "bf16")
-              for name, s in weight_shapes(cfg).items()}
+    packed = packed_formats(cfg, fmt)
+    stored = {name: (s, packed.get(name, "bf16")) for name, s in weight_shapes(cfg).items()}
     return linear_problems(cfg, stored) + expert_problems(cfg, stored) + layer_problems(cfg)
 
 
@@ -216,8 +216,8 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
               help="tune the problems of this artifact, each in its stored format (instead of --shape/--weights)")
 @click.option("--shape", type=click.Choice(["qwen3.6-27b", "qwen3.6-35b-a3b"]), default="qwen3.6-27b", show_default=True,
               help="the model whose problems are tuned")
-@click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8"]), default="bf16",
-              show_default=True, help="format of the quantizable matrices")
+@click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8", "recipe"]), default="bf16",
+              show_default=True, help="format of the quantizable matrices (recipe: each role's default, as a converted checkpoint)")
 @click.option("--op", "ops", multiple=True, help="only these ops (repeatable), e.g. linear_q4")
 @click.option("--problem", "only", multiple=True, metavar="NxK",
               help="only these problems (repeatable), e.g. 16384x5120 (linear N x K), 2048x256x512x8 (experts H x E x I x K), "

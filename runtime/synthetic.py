@@ -60,15 +60,34 @@ QUANT_SUFFIXES = ("attn.qkv", "attn.o", "gdn.in_qkv", "gdn.in_z", "gdn.out", "ml
                   "experts.gate_up", "experts.down", "lm_head")
 
 
+def packed_formats(cfg: HybridConfig, fmt: str) -> dict[str, str]:
+    """name -> packed format of the quantized weights: every QUANT_SUFFIXES matrix in `fmt` (q4, ...; none for
+    bf16), or with fmt "recipe" each weight the family's recipe quantizes in its role's default format (the mix
+    a converted checkpoint gets: e.g. 27B q4 / q5 / q6, 35B-A3B q4 / q5 experts and w8 elsewhere), but for the
+    embedding table, which stays bf16 here (only the prompt's rows are read)."""
+    if fmt == "bf16":
+        return {}
+    shapes = weight_shapes(cfg)
+    if fmt != "recipe":
+        return {name: fmt for name in shapes if name.endswith(QUANT_SUFFIXES)}
+    from .recipes import load_recipe
+    from .reference_quant import PACKED
+    conf = hf_config(cfg)
+    rec = load_recipe(cfg.family)
+    return {p.name: p.default_format for p in rec.expand(conf, rec.present_sections(rec.namespace(conf)))
+            if p.kind == "quant" and p.default_format in PACKED and p.name in shapes and p.name != "embed"}
+
+
 def random_weights(cfg: HybridConfig, device, dtype=torch.bfloat16, seed: int = 0, fmt: str = "bf16") -> dict:
-    """Random weights at the model's shapes; with a packed `fmt` (q4, ...) the quantizable matrices are random
-    packed bytes of that format (runtime.weights.PackedWeight)."""
+    """Random weights at the model's shapes; with a packed `fmt` (q4, ..., or "recipe": packed_formats) the
+    quantized matrices are random packed bytes of their format (runtime.weights.PackedWeight)."""
     from .weights import random_packed
     g = torch.Generator(device=device).manual_seed(seed)
+    packed = packed_formats(cfg, fmt)
     out = {}
     for name, shape in weight_shapes(cfg).items():
-        if fmt != "bf16" and name.endswith(QUANT_SUFFIXES):
-            out[name] = random_packed(fmt, shape, device, g, 1.0 / shape[-1] ** 0.5)
+        if name in packed:
+            out[name] = random_packed(packed[name], shape, device, g, 1.0 / shape[-1] ** 0.5)
             continue
         if name.endswith(("A_log", "dt_bias")):
             out[name] = torch.rand(shape, generator=g, device=device, dtype=torch.float32) - 0.5
@@ -82,8 +101,9 @@ def random_weights(cfg: HybridConfig, device, dtype=torch.bfloat16, seed: int = 
 def weight_bytes(cfg: HybridConfig, fmt: str = "bf16") -> dict[str, int]:
     """Bytes of every weight as random_weights(fmt) stores it."""
     from .formats import get_format
-    return {name: get_format(fmt).nbytes(shape) if fmt != "bf16" and name.endswith(QUANT_SUFFIXES)
-            else 2 * math.prod(shape) for name, shape in weight_shapes(cfg).items()}
+    packed = packed_formats(cfg, fmt)
+    return {name: get_format(packed[name]).nbytes(shape) if name in packed else 2 * math.prod(shape)
+            for name, shape in weight_shapes(cfg).items()}
 
 
 def hf_config(cfg: HybridConfig) -> dict:
@@ -124,8 +144,8 @@ def _role(name: str) -> str:
 
 
 def write_artifact(cfg: HybridConfig, fmt: str, path, resources: dict[str, bytes], device, seed: int = 0) -> int:
-    """A .ninfer with random weights at cfg's shapes (random_weights: packed bytes in `fmt` for the quantizable
-    matrices) and the given resources, plus config.json from hf_config. Written atomically, tensor by tensor
+    """A .ninfer with random weights at cfg's shapes (random_weights: packed bytes in `fmt`, or the recipe's mix,
+    for the quantized matrices) and the given resources, plus config.json from hf_config. Written atomically, tensor by tensor
     (each made on `device`, then copied out). Returns the file's size."""
     import json
 
@@ -135,9 +155,11 @@ def write_artifact(cfg: HybridConfig, fmt: str, path, resources: dict[str, bytes
     g = torch.Generator(device=device).manual_seed(seed)
     resources = {**resources, "config.json": json.dumps(hf_config(cfg), indent=1).encode()}
 
+    packed = packed_formats(cfg, fmt)
+
     def fmt_of(name):
-        if fmt != "bf16" and name.endswith(QUANT_SUFFIXES):
-            return fmt
+        if name in packed:
+            return packed[name]
         return "fp32" if name.endswith(("A_log", "dt_bias")) else "bf16"
 
     specs = [TensorSpec(n, tuple(s), fmt_of(n), _role(n)) for n, s in shapes.items()]

@@ -62,3 +62,48 @@ def test_no_leftover_on_failure(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="device lost"):
         write_artifact(tiny, "q4", tmp_path / "x.ninfer", {"tokenizer.json": b"{}"}, "cpu")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_recipe_weights_are_the_recipes_default_mix():
+    """--weights recipe: each quantized matrix in its role's default format (as a converted checkpoint), the
+    embedding table bf16; a single format covers the QUANT_SUFFIXES matrices."""
+    from ninfer.runtime.synthetic import packed_formats, weight_bytes
+    dense = packed_formats(SHAPES["qwen3.6-27b"], "recipe")
+    assert dense["lm_head"] == "q6" and "embed" not in dense
+    assert (dense["layers.0.gdn.in_qkv"], dense["layers.0.gdn.in_z"], dense["layers.0.gdn.out"]) == ("q4", "q5", "q5")
+    assert (dense["layers.0.mlp.gate_up"], dense["layers.0.mlp.down"], dense["layers.3.attn.qkv"]) == ("q4", "q5", "q5")
+    moe = packed_formats(SHAPES["qwen3.6-35b-a3b"], "recipe")
+    assert (moe["layers.0.mlp.experts.gate_up"], moe["layers.0.mlp.experts.down"]) == ("q4", "q5")
+    assert (moe["layers.0.mlp.shared.gate_up"], moe["layers.0.gdn.in_qkv"], moe["lm_head"]) == ("w8", "w8", "q6")
+    assert "layers.0.mlp.router" not in moe and "layers.0.mlp.shared.gate" not in moe
+    q4 = packed_formats(SHAPES["qwen3.6-27b"], "q4")
+    assert set(q4) == {n for n in weight_shapes(SHAPES["qwen3.6-27b"]) if n.endswith(QUANT_SUFFIXES)}
+    assert packed_formats(SHAPES["qwen3.6-27b"], "bf16") == {}
+    mix, all_q4 = weight_bytes(SHAPES["qwen3.6-27b"], "recipe"), weight_bytes(SHAPES["qwen3.6-27b"], "q4")
+    assert mix["layers.0.mlp.down"] > all_q4["layers.0.mlp.down"] and mix["embed"] == all_q4["embed"]
+
+
+def test_recipe_artifact_stores_each_format(demo_artifact, tmp_path):
+    from ninfer.runtime.synthetic import packed_formats
+    tiny = dataclasses.replace(SHAPES["qwen3.6-27b"], hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64,
+                               rotary_dim=16, k_heads=2, v_heads=4, k_dim=32, v_dim=32, intermediate=384,
+                               layer_types=["linear_attention"] * 3 + ["full_attention"], moe_layers=[False] * 4)
+    src = open_artifact(demo_artifact)
+    res = {k: src.resource(k) for k in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")}
+    src.close()
+    path = tmp_path / "mix.ninfer"
+    write_artifact(tiny, "recipe", path, res, "cpu")
+    art = open_artifact(path)
+    try:
+        packed = packed_formats(tiny, "recipe")
+        assert {"q4", "q5", "q6"} <= set(packed.values())
+        for name, e in art.tensors.items():
+            assert e.format == packed.get(name, "fp32" if name.endswith(("A_log", "dt_bias")) else "bf16"), name
+    finally:
+        art.close()
+    eng = Engine(path, backend="reference", max_context=64, max_seqs=1)
+    try:
+        (seq,) = eng.generate([[11, 12, 13]], max_new=4)
+        assert len(seq.generated) == 4
+    finally:
+        eng.close()

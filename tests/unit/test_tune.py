@@ -161,3 +161,11 @@ def test_a_tuned_expert_table_is_used_on_its_gpu(spec_tree):
     assert m.resolve("sm_90a", "moe_gate_up_q4", "bf16", problem, 8, gpu=GPU).instance == "gemv.t1k4"
     assert m.resolve("sm_90a", "moe_gate_up_q4", "bf16", problem, 9, gpu=GPU).instance == "gemv.t4k2"
     assert m.resolve("sm_90a", "moe_gate_up_q4", "bf16", problem, 9).instance == "gemv.t2k4"   # another GPU: the default
+
+
+def test_recipe_problems_follow_each_roles_format():
+    got = model_problems("qwen3.6-27b", "recipe")
+    assert ("linear_q5", {"N": 5120, "K": 17408}) in got and ("linear_q6", {"N": 248320, "K": 5120}) in got
+    # GDN qkv (q4) and z (q5) cannot be joined: two problems
+    assert ("linear_q4", {"N": 10240, "K": 5120}) in got and ("linear_q5", {"N": 6144, "K": 5120}) in got
+    assert not any(p.get("N") == 16384 for _, p in got)
