@@ -1,5 +1,6 @@
 """This GPU's tuned route tables (specs/tuned/, ninfer-tune) at every span boundary: the table path (no
-route named) against the reference on clones, for every tuned linear problem small enough to check."""
+route named) against the reference on clones, with the op's tolerance, for every tuned linear problem small
+enough to check and every other tuned problem (experts, norms, router) on ninfer-tune's own inputs."""
 import pytest
 import torch
 
@@ -19,13 +20,18 @@ def tuned_cases():
     cases = []
     for op, by_dtype in sorted(m.tuned_for(dev.name, dev.arch).items()):
         for e in by_dtype.get("bf16", []):
-            if op.startswith("linear") and e["problem"] and e["problem"]["N"] * e["problem"]["K"] <= MAX_WEIGHTS:
-                cases += [(op, e["problem"], T) for T in boundary_ts(e["spans"])]
+            if not e["problem"]:
+                continue
+            if op.startswith("linear") and e["problem"]["N"] * e["problem"]["K"] > MAX_WEIGHTS:
+                continue
+            cases += [(op, e["problem"], T) for T in boundary_ts(e["spans"])]
     return cases
 
 
 @pytest.mark.parametrize("op,problem,T", tuned_cases())
 def test_tuned_span_boundaries(be, ref, op, problem, T):
+    if not op.startswith("linear"):
+        return check_other_op(be, ref, op, problem, T)
     from ninfer.runtime.weights import random_packed
     g = torch.Generator(device="cuda").manual_seed(T)
     n, k = problem["N"], problem["K"]
@@ -40,3 +46,22 @@ def test_tuned_span_boundaries(be, ref, op, problem, T):
     ref.run(op, x=x.clone(), w=w.clone(), y=want)
     v = compare(y, want, be.manifest.tolerances["linear_tc"], f"{op} {problem} T={T} via {plan.kernel.instance}")
     assert v, v.detail
+
+
+def check_other_op(be, ref, op, problem, T):
+    """A tuned non-linear problem on the inputs ninfer-tune times it on (cli/bench_inputs.py)."""
+    from ninfer.cli.bench_inputs import by_name, make_inputs
+    contract = be.contract(op)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    ins = make_inputs(torch, contract, "bf16", {"T": T, **problem}, g, op)
+    params = by_name(contract, problem)
+    outs = [k for k in contract["outputs"]]
+    plan = be.plan(op, **ins, **params)
+    want = {k: torch.empty_like(ins[k]) for k in outs}
+    ref.run(op, **{k: want[k] if k in want else v.clone() for k, v in ins.items()}, **params)
+    plan()
+    torch.cuda.synchronize()
+    preset = be.manifest.tolerances[contract["tolerance"]]
+    for k in outs:
+        v = compare(ins[k], want[k], preset, f"{op} {problem} T={T} {k} via {plan.kernel.instance}")
+        assert v, v.detail
