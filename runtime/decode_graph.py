@@ -40,6 +40,44 @@ def capture(fn, warmup=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
+class HostStep:
+    """The host side of a decode step: the pinned int32 / float32 buffers a step copies to the device, written
+    in place through numpy views (no tensor per field). Layout: each field a `stride`-long slot (first b used),
+    then the [b, width] page table. A row's page-table entries are rewritten only when its sequence changes
+    or gains pages (rows past a sequence's pages stay 0), so a step writes O(b) values, not O(b * width)."""
+
+    def __init__(self, ints: torch.Tensor, floats: torch.Tensor, b: int, stride: int, width: int, page_size: int):
+        self.ints, self.floats = ints.numpy(), floats.numpy()
+        self.b, self.width, self.page_size = b, width, page_size
+        self.io = {n: i * stride for i, n in enumerate(_INT_FIELDS)}     # each field's offset
+        self.fo = {n: i * stride for i, n in enumerate(_FLOAT_FIELDS)}
+        self.table = self.ints[len(_INT_FIELDS) * stride:].reshape(b, width)
+        self.rows: list = [None] * b          # (sequence, pages written) per page-table row
+
+    def fill(self, seqs) -> None:
+        ps, iv, fv, io, fo = self.page_size, self.ints, self.floats, self.io, self.fo
+        for r, s in enumerate(seqs):
+            p = len(s.tokens) - 1
+            sp = s.sampling
+            iv[io["ids"] + r] = s.tokens[-1]
+            iv[io["positions"] + r] = p
+            iv[io["slot_mapping"] + r] = s.pages[p // ps] * ps + p % ps
+            iv[io["state_slots"] + r] = s.slot
+            iv[io["top_k"] + r] = sp.top_k
+            iv[io["seed"] + r] = ((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000   # as a 32-bit int
+            iv[io["counter"] + r] = len(s.generated)
+            fv[fo["temperature"] + r], fv[fo["top_p"] + r], fv[fo["min_p"] + r] = sp.temperature, sp.top_p, sp.min_p
+            fv[fo["presence"] + r], fv[fo["frequency"] + r] = sp.presence_penalty, sp.frequency_penalty
+            seq, done = self.rows[r] or (None, 0)
+            if seq is not s:
+                self.table[r] = 0
+                done = 0
+            n = len(s.pages)
+            if n != done:
+                self.table[r, done:n] = s.pages[done:n]
+                self.rows[r] = (s, n)
+
+
 class _Graph:
     def __init__(self, engine, b: int):
         dev, cache = engine.device, engine.cache
@@ -52,6 +90,7 @@ class _Graph:
         self.floats = torch.zeros(len(_FLOAT_FIELDS) * stride, dtype=torch.float32, device=dev)
         self.host_ints = torch.zeros_like(self.ints, device="cpu").pin_memory()
         self.host_floats = torch.zeros_like(self.floats, device="cpu").pin_memory()
+        self.host = HostStep(self.host_ints, self.host_floats, b, stride, self.width, cache.page_size)
         self.f = {n: self.ints[i * stride:i * stride + b] for i, n in enumerate(_INT_FIELDS)}
         self.f |= {n: self.floats[i * stride:i * stride + b] for i, n in enumerate(_FLOAT_FIELDS)}
         self.block_table = self.ints[len(_INT_FIELDS) * stride:].view(b, self.width)
@@ -78,35 +117,9 @@ class _Graph:
                  ids=self.out, domain=e.domain)
 
     def run(self, seqs) -> list[int]:
-        b, w, ps = self.b, self.width, self.engine.cache.page_size
-        hi, hf = self.host_ints, self.host_floats
-        cols = {n: [] for n in (*_INT_FIELDS, *_FLOAT_FIELDS)}
-        for s in seqs:
-            p = len(s.tokens) - 1
-            sp = s.sampling
-            cols["ids"].append(s.tokens[-1])
-            cols["positions"].append(p)
-            cols["slot_mapping"].append(s.pages[p // ps] * ps + p % ps)
-            cols["state_slots"].append(s.slot)
-            cols["top_k"].append(sp.top_k)
-            cols["seed"].append(((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000)
-            cols["counter"].append(len(s.generated))
-            cols["temperature"].append(sp.temperature)
-            cols["top_p"].append(sp.top_p)
-            cols["min_p"].append(sp.min_p)
-            cols["presence"].append(sp.presence_penalty)
-            cols["frequency"].append(sp.frequency_penalty)
-        st = self.stride
-        for i, n in enumerate(_INT_FIELDS):
-            hi[i * st:i * st + b] = torch.tensor(cols[n], dtype=torch.int32)
-        table = torch.zeros(b, w, dtype=torch.int32)
-        for r, s in enumerate(seqs):
-            table[r, :len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
-        hi[len(_INT_FIELDS) * st:] = table.view(-1)
-        for i, n in enumerate(_FLOAT_FIELDS):
-            hf[i * st:i * st + b] = torch.tensor(cols[n], dtype=torch.float32)
-        self.ints.copy_(hi, non_blocking=True)
-        self.floats.copy_(hf, non_blocking=True)
+        self.host.fill(seqs)
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.floats.copy_(self.host_floats, non_blocking=True)
         self.graph.replay()
         return self.out.tolist()  # the step's one host sync: the sampled ids
 
