@@ -197,3 +197,26 @@ def test_packed_weights_match_the_reference_backend(kind, fmt):
         got = eng.generate([case["prompt"]], max_new=16)[0].generated
         assert got[:decided] == greedy[:decided], f"{kind}.{fmt} n={n}: first {decided} tokens are decided"
     assert eng.cache.in_use == (0, 0)
+
+
+def test_penalties_see_the_same_counts_with_and_without_graphs():
+    """The decode graph adds each sampled token to its sequence's counts on the device (the next step's
+    presence / frequency penalties read them); the eager path adds them from the host. Seeded sampling with
+    penalties must give the same tokens both ways, in a batch with differently penalised sequences."""
+    from ninfer.runtime.engine import Engine, SamplingParams
+    path = ORACLE / "dense.ninfer"
+    if not path.is_file():
+        pytest.skip(f"no artifact at {path} (python tests/gpu/make_oracle.py {ORACLE})")
+    params = [SamplingParams(temperature=0.8, top_k=0, top_p=1.0, presence_penalty=1.5, seed=11),
+              SamplingParams(temperature=0.7, top_k=20, top_p=0.95, frequency_penalty=0.8, seed=12),
+              SamplingParams(temperature=0.0, seed=13)]
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    runs = []
+    for graphs in (True, False):
+        eng = Engine(path, backend="cuda", max_context=128, max_seqs=4, prefill_chunk=16, cuda_graphs=graphs)
+        try:
+            runs.append([s.generated for s in eng.generate(prompts, max_new=24, sampling=params)])
+        finally:
+            eng.close()
+    assert runs[0] == runs[1]
+    assert len(set(runs[0][0])) > 1, "the sampled sequence should vary"
