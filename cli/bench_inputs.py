@@ -58,7 +58,7 @@ def op_flops(op: str, T: int, problem: dict) -> int:
 
 def make_inputs(torch, contract, dtype, dims, rng, op=""):
     """Random inputs and outputs of an op at these dims, on the generator's device."""
-    from ninfer.runtime.contracts import TORCH_DTYPES
+    from ninfer.runtime.contracts import TORCH_DTYPES, shape_of
     from ninfer.runtime.formats import nbytes
     from ninfer.runtime.weights import random_packed
 
@@ -74,25 +74,15 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
     if packed:
         dims["WB"] = nbytes(packed, (dims["N"], dims["K"]))
 
-    def shape(spec):
-        out = []
-        for d in spec["shape"]:
-            if isinstance(d, int):
-                out.append(d)
-            else:
-                mult, _, name = d.rpartition("*")
-                out.append(int(mult or 1) * dims[name])
-        return out
-
     ts = {}
     for name, spec in {**contract["inputs"], **contract["outputs"]}.items():
         dt = TORCH_DTYPES[dtype if spec["dtype"] == "$dtype" else spec["dtype"]]
         if dt == torch.uint8:
             ts[name] = random_packed(packed, (dims["N"], dims["K"]), rng.device, rng, dims["K"] ** -0.5).data
         elif dt == torch.int32:
-            ts[name] = torch.randint(0, dims.get("V", 1), shape(spec), device=rng.device, dtype=dt, generator=rng)
+            ts[name] = torch.randint(0, dims.get("V", 1), shape_of(spec, dims), device=rng.device, dtype=dt, generator=rng)
         else:
-            ts[name] = torch.randn(shape(spec), device=rng.device, dtype=torch.float32, generator=rng).to(dt)
+            ts[name] = torch.randn(shape_of(spec, dims), device=rng.device, dtype=torch.float32, generator=rng).to(dt)
     return ts
 
 

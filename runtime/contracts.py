@@ -18,6 +18,18 @@ class ContractError(ValueError):
     pass
 
 
+def shape_of(spec: dict, dims: dict) -> list[int]:
+    """A contract tensor's shape at these dims (entries are ints, dim names or k*name)."""
+    out = []
+    for d in spec["shape"]:
+        if isinstance(d, int):
+            out.append(d)
+        else:
+            mult, name = _SCALED.match(d).groups()
+            out.append(int(mult or 1) * dims[name])
+    return out
+
+
 def bind(op_name: str, contract: dict, dtype: str, tensors: dict, params: dict) -> tuple[dict, dict]:
     """Returns (dims, params with defaults). Raises ContractError naming the offending argument."""
     inputs, outputs, states = contract["inputs"], contract["outputs"], contract["states"]

@@ -4,7 +4,7 @@ Used by the CPU tests (reference backend) and the GPU tests (every route of ever
 """
 import torch
 
-from ninfer.runtime.contracts import TORCH_DTYPES
+from ninfer.runtime.contracts import TORCH_DTYPES, shape_of
 from ninfer.runtime.reference_quant import ALL_REFERENCES as REFERENCES
 
 # Problems per op: a small odd-sized one and a real 27B-shaped one.
@@ -18,17 +18,6 @@ PROBLEMS = {
     "embedding": [{"V": 1000, "H": 64}, {"V": 248320, "H": 5120}],
     "linear": [{"N": 136, "K": 200}, {"N": 1024, "K": 5120}, {"N": 77, "K": 200}, {"N": 1, "K": 512}, {"N": 96, "K": 5120}],
 }
-
-
-def shape_of(spec, dims):
-    out = []
-    for d in spec["shape"]:
-        if isinstance(d, int):
-            out.append(d)
-        else:
-            mult, _, name = d.rpartition("*")
-            out.append(int(mult or 1) * dims[name])
-    return out
 
 
 def make_inputs(contract, dims, device, gen, dtype="bf16"):

@@ -12,6 +12,21 @@ from ninfer.runtime.models.config import parse_config
 from ninfer.runtime.synthetic import QUANT_SUFFIXES, SHAPES, hf_config, weight_shapes, write_artifact
 
 
+def tiny_dense():
+    """A 4-layer dense model at toy widths (3 GDN layers, 1 attention layer)."""
+    return dataclasses.replace(SHAPES["qwen3.6-27b"], hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64,
+                               rotary_dim=16, k_heads=2, v_heads=4, k_dim=32, v_dim=32, intermediate=384,
+                               layer_types=["linear_attention"] * 3 + ["full_attention"], moe_layers=[False] * 4)
+
+
+def resources(demo_artifact) -> dict:
+    src = open_artifact(demo_artifact)
+    try:
+        return {k: src.resource(k) for k in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")}
+    finally:
+        src.close()
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_hf_config_round_trips_and_transformers_reads_it(shape):
     cfg = SHAPES[shape]
@@ -22,12 +37,7 @@ def test_hf_config_round_trips_and_transformers_reads_it(shape):
 
 
 def test_written_artifact_loads_and_generates(demo_artifact, tmp_path):
-    tiny = dataclasses.replace(SHAPES["qwen3.6-27b"], hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64,
-                               rotary_dim=16, k_heads=2, v_heads=4, k_dim=32, v_dim=32, intermediate=384,
-                               layer_types=["linear_attention"] * 3 + ["full_attention"], moe_layers=[False] * 4)
-    src = open_artifact(demo_artifact)
-    res = {k: src.resource(k) for k in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")}
-    src.close()
+    tiny, res = tiny_dense(), resources(demo_artifact)
     path = tmp_path / "tiny.ninfer"
     size = write_artifact(tiny, "q4", path, res, "cpu")
     art = open_artifact(path)
@@ -85,12 +95,7 @@ def test_recipe_weights_are_the_recipes_default_mix():
 
 def test_recipe_artifact_stores_each_format(demo_artifact, tmp_path):
     from ninfer.runtime.synthetic import packed_formats
-    tiny = dataclasses.replace(SHAPES["qwen3.6-27b"], hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64,
-                               rotary_dim=16, k_heads=2, v_heads=4, k_dim=32, v_dim=32, intermediate=384,
-                               layer_types=["linear_attention"] * 3 + ["full_attention"], moe_layers=[False] * 4)
-    src = open_artifact(demo_artifact)
-    res = {k: src.resource(k) for k in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")}
-    src.close()
+    tiny, res = tiny_dense(), resources(demo_artifact)
     path = tmp_path / "mix.ninfer"
     write_artifact(tiny, "recipe", path, res, "cpu")
     art = open_artifact(path)
