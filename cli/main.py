@@ -156,8 +156,8 @@ def _engine_class():
     class StreamingEngine(Engine):
         on_token = None
 
-        def _accept(self, seq, token, counted=False):
-            super()._accept(seq, token, counted)
+        def _accept(self, seq, token):
+            super()._accept(seq, token)
             if self.on_token is not None and self.on_token(seq, token):
                 seq.finish_reason = "stop"
     return StreamingEngine

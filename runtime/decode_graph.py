@@ -98,7 +98,6 @@ class _Graph:
         self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, dtype=torch.int32, device=dev)
         self.out = torch.empty(b, dtype=torch.int32, device=dev)
-        self.ones = torch.ones(b, dtype=torch.int32, device=dev)
         # warm-up writes nothing real: KV writes are skipped (slot -1), GDN state goes to the scratch slot
         self.f["slot_mapping"].fill_(-1)
         self.f["state_slots"].fill_(cache.max_seqs)
@@ -116,9 +115,6 @@ class _Graph:
                  temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],
                  presence=f["presence"], frequency=f["frequency"], seed=f["seed"], counter=f["counter"],
                  ids=self.out, domain=e.domain)
-        # the sampled tokens join their sequences' counts (penalties of the next step) inside the graph, not as
-        # one host-launched add per sequence after it; slots are distinct, so the accumulate is deterministic
-        e._counts.index_put_((f["state_slots"].long(), self.out.long()), self.ones, accumulate=True)
 
     def run(self, seqs) -> list[int]:
         self.host.fill(seqs)

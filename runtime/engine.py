@@ -177,11 +177,9 @@ class Engine:
                     counter=i32([len(s.generated) for s in seqs]), ids=ids, domain=self.domain)
         return ids.tolist()
 
-    def _accept(self, seq: Sequence, token: int, counted: bool = False) -> None:
-        """counted: the decode graph has already added the token to the sequence's counts (on the device)."""
+    def _accept(self, seq: Sequence, token: int) -> None:
         seq.tokens.append(token)
-        if not counted:
-            self._counts[seq.slot, token] += 1
+        self._counts[seq.slot, token] += 1
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
         elif len(seq.generated) >= seq.max_new or len(seq.tokens) >= self.cache.max_context:
@@ -230,7 +228,7 @@ class Engine:
         else:
             picked = self._pick(self._step(seqs, [(len(s.tokens) - 1, len(s.tokens)) for s in seqs]), seqs)
         for seq, tok in zip(seqs, picked):
-            self._accept(seq, tok, counted=self.graphs is not None)
+            self._accept(seq, tok)
         dt = time.perf_counter() - t0
         for seq in seqs:
             seq.decode_s += dt
