@@ -15,8 +15,7 @@ import sys
 
 import click
 
-from ninfer.cli.bench_inputs import (GDN_K_HEADS, by_name, is_expert_op, make_inputs, moe_sets, op_bytes, op_flops,
-                                    rotating_sets)
+from ninfer.cli.bench_inputs import GDN_K_HEADS, by_name, make_inputs, op_bytes, op_flops, timing_sets
 from ninfer.cli.bench_serve import serve_cmd
 
 MOE_35B = {"H": 2048, "E": 256, "I": 512, "K": 8}
@@ -122,7 +121,7 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
                 if sets is None:
                     base = make_inputs(torch, contract, "bf16", dims, rng, op)
                     nbytes = op_bytes(op, base, dims)
-                    sets = moe_sets(torch, base, dims, rng) if is_expert_op(op) else rotating_sets(base)
+                    sets = timing_sets(torch, op, base, dims, rng)
                 try:
                     plans = [be.plan(op, route=inst, **s, **OP_PARAMS.get(op, {}), **by_name(contract, problem))
                              for s in sets]

@@ -26,6 +26,12 @@ def rotating_sets(base: dict, factor: int = 3, most: int = 8) -> list[dict]:
     return [base] + [{k: v.clone() for k, v in base.items()} for _ in range(copies - 1)]
 
 
+def timing_sets(torch, op: str, base: dict, dims: dict, rng, factor: int = 3, most: int = 8) -> list[dict]:
+    """The input sets timed launches cycle through: for the expert ops `most` routings over shared weights
+    (moe_sets), else copies of `base` exceeding factor x the L2 (rotating_sets)."""
+    return moe_sets(torch, base, dims, rng, n=most) if is_expert_op(op) else rotating_sets(base, factor, most)
+
+
 def op_bytes(op, tensors, dims) -> int:
     """Fewest bytes the op must move: each input read once, each output written once (MoE experts: only the
     experts the tokens choose)."""

@@ -140,7 +140,7 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
     import torch
 
     from ninfer.cli.bench import _time_graph
-    from ninfer.cli.bench_inputs import by_name, footprint, is_expert_op, make_inputs, moe_sets, rotating_sets
+    from ninfer.cli.bench_inputs import by_name, footprint, make_inputs, timing_sets
     contract = be.contract(op)
     params = by_name(contract, problem)
     kernels = [k for k in be.manifest.kernels.values() if k.op == op and k.arch == be.device.arch and k.dtype == "bf16"]
@@ -151,10 +151,7 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
         last = grid[i + 1] - 1 if i + 1 < len(grid) else 1 << 30
         base = make_inputs(torch, contract, "bf16", {"T": t, **problem}, rng, op)
         dims = {"T": t, **problem}
-        if is_expert_op(op):   # the experts are shared; the routing rotates (reads from HBM, not the L2)
-            sets = moe_sets(torch, base, dims, rng, n=4)
-        else:
-            sets = rotating_sets(base, factor=2, most=4)
+        sets = timing_sets(torch, op, base, dims, rng, factor=2, most=4)
         nbytes = footprint(base)
         best = None
         for k in kernels:

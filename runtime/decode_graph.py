@@ -47,8 +47,7 @@ class HostStep:
     or gains pages (rows past a sequence's pages stay 0), so a step writes O(b) values, not O(b * width)."""
 
     def __init__(self, ints: torch.Tensor, floats: torch.Tensor, b: int, stride: int, width: int, page_size: int):
-        self.ints, self.floats = ints.numpy(), floats.numpy()
-        self.b, self.width, self.page_size = b, width, page_size
+        self.ints, self.floats, self.page_size = ints.numpy(), floats.numpy(), page_size
         self.io = {n: i * stride for i, n in enumerate(_INT_FIELDS)}     # each field's offset
         self.fo = {n: i * stride for i, n in enumerate(_FLOAT_FIELDS)}
         self.table = self.ints[len(_INT_FIELDS) * stride:].reshape(b, width)

@@ -145,8 +145,8 @@ def _role(name: str) -> str:
 
 def write_artifact(cfg: HybridConfig, fmt: str, path, resources: dict[str, bytes], device, seed: int = 0) -> int:
     """A .ninfer with random weights at cfg's shapes (random_weights: packed bytes in `fmt`, or the recipe's mix,
-    for the quantized matrices) and the given resources, plus config.json from hf_config. Written atomically, tensor by tensor
-    (each made on `device`, then copied out). Returns the file's size."""
+    for the quantized matrices) and the given resources, plus config.json from hf_config. Written atomically,
+    tensor by tensor (each made on `device`, then copied out). Returns the file's size."""
     import json
 
     from .artifact_writer import ArtifactWriter, TensorSpec

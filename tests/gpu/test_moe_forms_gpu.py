@@ -7,12 +7,9 @@ GPU test file runs in its own process under a time limit (tests/gpu/h200_run.sh)
 import pytest
 import torch
 
-from ninfer.runtime import formats
-from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.reference_quant import PACKED, moe_op
-from tests.gpu.graphs import replay_then_eager
-from tests.gpu.test_moe_packed_gpu import (ODD, REAL, SMALL, check, gen, inputs, instances, name, nan_like, reference,
-                                           reroute)
+from tests.gpu.test_moe_packed_gpu import (ODD, REAL, SMALL, check, check_replays, gen, inputs, instances, name,
+                                           nan_like, poison_unselected, reference)
 
 pytestmark = pytest.mark.gpu
 
@@ -79,17 +76,9 @@ def test_split_skips_ids_outside_the_experts(be, ref, fmt):
 def test_split_reads_only_selected_experts(be, ref, fmt):
     """Every byte of the experts no token selects is 0xFF (NaN scales): h and y stay finite and right."""
     shape = REAL
-    H, E, I = shape["H"], shape["E"], shape["I"]
     ins = inputs((fmt, fmt), shape, 2, seed=41)
     want_h, want_y = split_reference(ref, fmt, ins, shape)
-    pg, pd = formats.nbytes(fmt, (2 * I, H)), formats.nbytes(fmt, (H, I))
-    used = set(ins["ids"].flatten().tolist())
-    gate_up, down = ins["gate_up"].clone(), ins["down"].clone()
-    for e in range(E):
-        if e not in used:
-            gate_up[e * pg:(e + 1) * pg] = 0xFF
-            down[e * pd:(e + 1) * pd] = 0xFF
-    h, y = run_split(be, fmt, {**ins, "gate_up": gate_up, "down": down}, shape)
+    h, y = run_split(be, fmt, poison_unselected(ins, (fmt, fmt), shape), shape)
     check(be, f"moe_gate_up_{fmt}", h, want_h, f"moe_gate_up_{fmt} poisoned unselected experts")
     check(be, f"moe_down_{fmt}", y, want_y, f"moe_down_{fmt} poisoned unselected experts")
 
@@ -106,15 +95,8 @@ def test_split_cuda_graph_t1(be, ref):
     def both():
         gu()
         dn()
-    graph = capture(both)
-    g = gen(4321)
-    for trial in range(3):
-        reroute(ins, shape, g)
-        y.fill_(float("nan"))
-        replayed, = replay_then_eager(graph, both, y)
-        assert torch.equal(replayed, y), f"replay {trial} differs from eager"
-        _, want_y = split_reference(ref, fmt, ins, shape)
-        check(be, f"moe_down_{fmt}", replayed, want_y, f"split graph replay {trial}")
+    check_replays(be, f"moe_down_{fmt}", both, y, ins, shape, 4321, lambda: split_reference(ref, fmt, ins, shape)[1],
+                  "split form")
 
 
 # ---- the grouped form: moe_align, moe_gate_up_grouped_<fmt>, moe_down_grouped_<fmt>, moe_sum -------------------------

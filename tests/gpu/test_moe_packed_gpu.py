@@ -99,6 +99,32 @@ def reroute(ins, shape, g):
     ins["weights"].copy_(w)
 
 
+def poison_unselected(ins, pair, shape) -> dict:
+    """ins with every byte of the experts no token selects set to 0xFF (NaN scales); whole-tile expert slices."""
+    H, E, I = shape["H"], shape["E"], shape["I"]
+    pg, pd = formats.nbytes(pair[0], (2 * I, H)), formats.nbytes(pair[1], (H, I))  # bytes per expert
+    used = set(ins["ids"].flatten().tolist())
+    gate_up, down = ins["gate_up"].clone(), ins["down"].clone()
+    for e in range(E):
+        if e not in used:
+            gate_up[e * pg:(e + 1) * pg] = 0xFF
+            down[e * pd:(e + 1) * pd] = 0xFF
+    return {**ins, "gate_up": gate_up, "down": down}
+
+
+def check_replays(be, op, fn, y, ins, shape, seed, want, what):
+    """fn's launches captured once, then replayed three times on new x and routing (reroute): each replay equal to
+    the eager launches and within op's tolerance of want() (the reference on the current inputs)."""
+    graph = capture(fn)
+    g = gen(seed)
+    for trial in range(3):
+        reroute(ins, shape, g)
+        y.fill_(float("nan"))
+        replayed, = replay_then_eager(graph, fn, y)
+        assert torch.equal(replayed, y), f"{what}: replay {trial} differs from eager"
+        check(be, op, replayed, want(), f"{what} graph replay {trial}")
+
+
 def inputs(pair, shape, T, seed):
     g = gen(seed)
     gate_up, down = packed(*pair, shape)
@@ -164,15 +190,7 @@ def test_only_selected_experts_are_read(be, ref, pair, shape):
     T = 2 if shape is SMALL else 1
     ins = inputs(pair, shape, T, seed=99 + E)
     want = reference(ref, op, ins, shape)
-    gfmt, dfmt = pair
-    pg, pd = formats.nbytes(gfmt, (2 * I, H)), formats.nbytes(dfmt, (H, I))  # bytes per expert (whole tiles)
-    used = set(ins["ids"].flatten().tolist())
-    gate_up, down = ins["gate_up"].clone(), ins["down"].clone()
-    for e in range(E):
-        if e not in used:
-            gate_up[e * pg:(e + 1) * pg] = 0xFF
-            down[e * pd:(e + 1) * pd] = 0xFF
-    poisoned = {**ins, "gate_up": gate_up, "down": down}
+    poisoned = poison_unselected(ins, pair, shape)
     for inst in instances(be, op):
         y = nan_like((T, H))
         be.run(op, route=inst, **poisoned, y=y, E=E, I=I)
@@ -189,14 +207,7 @@ def test_cuda_graph_t1(be, ref, pair, shape):
     ins = inputs(pair, shape, 1, seed=7 + shape["H"])
     y = nan_like((1, shape["H"]))
     plan = be.plan(op, **ins, y=y, E=shape["E"], I=shape["I"])
-    graph = capture(plan)
-    g = gen(1234)
-    for trial in range(3):
-        reroute(ins, shape, g)
-        y.fill_(float("nan"))
-        replayed, = replay_then_eager(graph, plan, y)
-        assert torch.equal(replayed, y), f"{op} replay {trial} differs from eager"
-        check(be, op, replayed, reference(ref, op, ins, shape), f"{op} {name(shape)} graph replay {trial}")
+    check_replays(be, op, plan, y, ins, shape, 1234, lambda: reference(ref, op, ins, shape), f"{op} {name(shape)}")
 
 
 def test_bad_calls_are_clear_errors(be):

@@ -318,60 +318,77 @@ def emulate_align(ids, E, threads: int = 1024):
     return order.reshape(ids.shape), offsets
 
 
+def expert_pairs(offsets, e: int, TK: int) -> tuple[int, int]:
+    """[p_begin, p_end) of expert e's pairs in moe_align's order (e == E: the pairs of invalid ids)."""
+    E = offsets.size
+    return 0 if e == 0 else int(offsets[e - 1]), int(offsets[e]) if e < E else TK
+
+
+def stage_tile(f: Fmt, rows: np.ndarray, pr: list, s0: int, XW: int, limit: int):
+    """The grouped kernels' staging of one tile (warp steps s0 ..): per pass column c, the values rows[pr[c]] at
+    lanes s0 * STEP + lt, each lane stored at its pair-order place as hi = bf16(v) and lo = bf16(v - hi)
+    (x, already bf16, has lo = 0); columns past the expert's pairs and lanes at or past `limit` are zero."""
+    hi, lo = np.zeros((len(pr), XW), np.uint32), np.zeros((len(pr), XW), np.uint32)
+    for c, pair in enumerate(pr):
+        if pair < 0:
+            continue
+        row_hi, row_lo = hi[c].view(np.uint16), lo[c].view(np.uint16)
+        for lt in range(2 * XW):
+            lane = s0 * f.step + lt
+            v = np.float32(rows[pair, lane] if lane < limit else 0)
+            hb = bf16_bits(v)
+            ch = lt // f.chunk
+            k, half = f.lane_pair(lt - ch * f.chunk)
+            row_hi[2 * (ch * f.np_ + k) + half] = hb
+            row_lo[2 * (ch * f.np_ + k) + half] = bf16_bits(np.float32(v - (np.uint32(hb) << 16).view(np.float32)))
+    return hi, lo
+
+
+def grouped_step(f: Fmt, w, rows_a, rows_b, s: int, u: int, tables: list, acc) -> None:
+    """One warp step of the grouped kernels: rows (g, g+8) decoded once, then for every column group c two mma
+    per k-slot pair (one per scale group) with each staged table in `tables` (x; or h hi, h lo), scaled."""
+    wa, wb, sa, sb = lanes_of_warp(f, w, rows_a, rows_b, s)
+    idx = [u * 4 * f.np_ + C_[ln] * f.np_ + np.arange(f.np_) for ln in range(32)]
+    for c in range(acc.shape[0]):
+        d0, d1 = np.zeros((32, 4)), np.zeros((32, 4))
+        for tab in tables:
+            bwords = np.stack([tab[8 * c + G_[ln], idx[ln]] for ln in range(32)])
+            d0 += mma_chunk(f, wa, wb, bwords, mask=C_ >= 2)
+            d1 += mma_chunk(f, wa, wb, bwords, mask=C_ < 2)
+        add_scaled(acc[c], d0, d1, sa, sb)
+
+
 def emulate_gate_up_grouped(f: Fmt, tile: dict, x, gate_up, order, offsets, I):
     T, H = x.shape
     K = order.shape[1]
     E = offsets.size
     TASKS, GROUPS, KT = tile["tasks"], tile["groups"], tile["kt"]
-    NT = 8 * GROUPS
-    XW = KT * 4 * f.np_
-    flat = order.flatten()
+    NT, XW = 8 * GROUPS, KT * 4 * f.np_
+    flat, xt = order.flatten(), x[np.arange(T * K) // K]     # xt: x of each pair's token
     h = np.full((T * K, I), np.nan)
     nb = -(-I // (8 * TASKS))
-    HP = (H + 127) & ~127
-    NS = HP // f.step
+    NS = ((H + 127) & ~127) // f.step
     for b in range((E + 1) * nb):
         e, ib = divmod(b, nb)
         i0 = ib * 8 * TASKS
-        p_begin = 0 if e == 0 else int(offsets[e - 1])
-        p_end = int(offsets[e]) if e < E else T * K
+        p_begin, p_end = expert_pairs(offsets, e, T * K)
         if e == E:
             for p in range(p_begin, p_end):
-                for i in range(i0, min(i0 + 8 * TASKS, I)):
-                    h[flat[p], i] = 0
+                h[flat[p], i0:min(i0 + 8 * TASKS, I)] = 0
             continue
         for p0 in range(p_begin, p_end, NT):
             pr = [int(flat[p0 + c]) if p0 + c < p_end else -1 for c in range(NT)]
             acc = np.zeros((TASKS, GROUPS, 32, 4))
             for s0 in range(0, NS, KT):
-                xs = np.zeros((NT, XW), np.uint32)
-                for c in range(NT):          # the 16-byte loads, each lane stored at its pair-order place
-                    if pr[c] < 0:
-                        continue
-                    xrow = x[pr[c] // K]
-                    halves = xs[c].view(np.uint16)
-                    for lt in range(2 * XW):
-                        lane = s0 * f.step + lt
-                        ch = lt // f.chunk
-                        k, hf = f.lane_pair(lt - ch * f.chunk)
-                        halves[2 * (ch * f.np_ + k) + hf] = bf16_bits(np.float32(xrow[lane] if lane < H else 0))
+                xs, _ = stage_tile(f, xt, pr, s0, XW, H)
                 for warp in range(TASKS):
                     if not i0 + 8 * warp < I:
                         continue
                     item = i0 + 8 * warp + G_
                     rows_a = [f.row(E * 2 * I, H, e * 2 * I + int(item[ln])) for ln in range(32)]
                     rows_b = [f.row(E * 2 * I, H, e * 2 * I + int(item[ln]) + I) for ln in range(32)]
-                    for u in range(KT):
-                        s = s0 + u
-                        if s >= NS:
-                            break
-                        wa, wb, sa, sb = lanes_of_warp(f, gate_up, rows_a, rows_b, s)
-                        for c in range(GROUPS):
-                            bwords = np.stack([xs[8 * c + G_[ln], u * 4 * f.np_ + C_[ln] * f.np_ + np.arange(f.np_)]
-                                               for ln in range(32)])
-                            d0 = mma_chunk(f, wa, wb, bwords, mask=C_ >= 2)
-                            d1 = mma_chunk(f, wa, wb, bwords, mask=C_ < 2)
-                            add_scaled(acc[warp, c], d0, d1, sa, sb)
+                    for u in range(min(KT, NS - s0)):
+                        grouped_step(f, gate_up, rows_a, rows_b, s0 + u, u, [xs], acc[warp])
             for warp in range(TASKS):
                 if not i0 + 8 * warp < I:
                     continue
@@ -388,60 +405,32 @@ def emulate_down_grouped(f: Fmt, tile: dict, h, down, weights, order, offsets, H
     T, K, I = h.shape
     E = offsets.size
     TASKS, GROUPS, KT = tile["tasks"], tile["groups"], tile["kt"]
-    NT = 8 * GROUPS
-    XW = KT * 4 * f.np_
+    NT, XW = 8 * GROUPS, KT * 4 * f.np_
     flat, hf_, wf = order.flatten(), h.reshape(T * K, I), weights.flatten()
     ys = np.full((T * K, H), np.nan)
     nb = -(-H // (16 * TASKS))
-    IP = (I + 127) & ~127
-    NS = IP // f.step
+    NS = ((I + 127) & ~127) // f.step
     for b in range((E + 1) * nb):
         e, nbi = divmod(b, nb)
         n0 = nbi * 16 * TASKS
-        p_begin = 0 if e == 0 else int(offsets[e - 1])
-        p_end = int(offsets[e]) if e < E else T * K
+        p_begin, p_end = expert_pairs(offsets, e, T * K)
         if e == E:
             for p in range(p_begin, p_end):
-                for n in range(n0, min(n0 + 16 * TASKS, H)):
-                    ys[flat[p], n] = 0
+                ys[flat[p], n0:min(n0 + 16 * TASKS, H)] = 0
             continue
         for p0 in range(p_begin, p_end, NT):
             pr = [int(flat[p0 + c]) if p0 + c < p_end else -1 for c in range(NT)]
             acc = np.zeros((TASKS, GROUPS, 32, 4))
             for s0 in range(0, NS, KT):
-                hhi = np.zeros((NT, XW), np.uint32)
-                hlo = np.zeros((NT, XW), np.uint32)
-                for c in range(NT):
-                    if pr[c] < 0:
-                        continue
-                    row_hi, row_lo = hhi[c].view(np.uint16), hlo[c].view(np.uint16)
-                    for lt in range(2 * XW):
-                        lane = s0 * f.step + lt
-                        v = np.float32(hf_[pr[c], lane] if lane < I else 0)
-                        hb = bf16_bits(v)
-                        ch = lt // f.chunk
-                        k, half = f.lane_pair(lt - ch * f.chunk)
-                        row_hi[2 * (ch * f.np_ + k) + half] = hb
-                        row_lo[2 * (ch * f.np_ + k) + half] = bf16_bits(np.float32(v - (np.uint32(hb) << 16).view(np.float32)))
+                hhi, hlo = stage_tile(f, hf_, pr, s0, XW, I)
                 for warp in range(TASKS):
                     r0 = n0 + 16 * warp
                     if r0 >= H:
                         continue
                     rows_a = [f.row(E * H, I, e * H + min(r0 + int(G_[ln]), H - 1)) for ln in range(32)]
                     rows_b = [f.row(E * H, I, e * H + min(r0 + int(G_[ln]) + 8, H - 1)) for ln in range(32)]
-                    for u in range(KT):
-                        s = s0 + u
-                        if s >= NS:
-                            break
-                        wa, wb, sa, sb = lanes_of_warp(f, down, rows_a, rows_b, s)
-                        for c in range(GROUPS):
-                            idx = [u * 4 * f.np_ + C_[ln] * f.np_ + np.arange(f.np_) for ln in range(32)]
-                            d0, d1 = np.zeros((32, 4)), np.zeros((32, 4))
-                            for src in (hhi, hlo):
-                                bwords = np.stack([src[8 * c + G_[ln], idx[ln]] for ln in range(32)])
-                                d0 += mma_chunk(f, wa, wb, bwords, mask=C_ >= 2)
-                                d1 += mma_chunk(f, wa, wb, bwords, mask=C_ < 2)
-                            add_scaled(acc[warp, c], d0, d1, sa, sb)
+                    for u in range(min(KT, NS - s0)):
+                        grouped_step(f, down, rows_a, rows_b, s0 + u, u, [hhi, hlo], acc[warp])
             for warp in range(TASKS):
                 r0 = n0 + 16 * warp
                 if r0 >= H:
