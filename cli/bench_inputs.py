@@ -175,7 +175,8 @@ def moe_sets(torch, base, dims, rng, n: int = 8) -> list[dict]:
 
 
 def by_name(contract: dict, problem: dict) -> dict:
-    """The problem dims a contract takes by name: those no tensor's shape carries (the MoE ops' E, I)."""
+    """The problem dims a contract takes by name: those it declares that no tensor's shape carries (the MoE ops'
+    E, I). A shared problem (MOE_35B) may name dims an op does not have (moe_align has no H or I)."""
     tensors = {**contract["inputs"], **contract["outputs"], **contract["states"]}
     in_shapes = {str(d).rpartition("*")[2] for spec in tensors.values() for d in spec["shape"]}
-    return {d: v for d, v in problem.items() if d not in in_shapes}
+    return {d: v for d, v in problem.items() if d in contract["dims"] and d not in in_shapes}

@@ -31,9 +31,8 @@ def test_moe_inputs_follow_the_contract_and_rotate_only_the_routing():
                     assert s[k] is base[k]                      # the weights are shared, not copied
             fresh = [k for k in ("ids", "order", "x", "h", "ys") if k in base]
             assert fresh and not all(torch.equal(s[k], base[k]) for k in fresh)   # the routing is fresh
-        # the op runs on these inputs (the reference backend, as the cuda one would on the GPU)
-        problem = {d: DIMS[d] for d in contract["problem"]}
-        be.run(op, **base, **by_name(contract, problem))
+        # the op runs on these inputs and bench's shared MoE problem (the reference backend, as the cuda one on the GPU)
+        be.run(op, **base, **by_name(contract, {d: DIMS[d] for d in ("H", "E", "I", "K")}))
 
 
 def test_moe_bytes_count_only_the_chosen_experts():
@@ -53,6 +52,7 @@ def test_by_name_is_what_no_shape_carries():
     assert by_name(be.contract("moe_experts_q4"), moe) == {"E": 16, "I": 64}
     assert by_name(be.contract("moe_gate_up_q4"), moe) == {"E": 16}
     assert by_name(be.contract("moe_down_grouped_q4"), moe) == {}
+    assert by_name(be.contract("moe_align"), moe) == {}          # E is offsets' shape; H and I are not its dims
     assert by_name(be.contract("linear_q4"), {"N": 8, "K": 16}) == {}
 
 
