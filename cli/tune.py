@@ -244,6 +244,8 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> Non
         problems = artifact_problems(artifact)
     else:
         source, problems = f"{shape} {fmt}", model_problems(shape, fmt)
+    if ops:   # a run of some ops replaces only the note of a run of the same ops
+        source += f" ({', '.join(ops)})"
     problems = [(op, p) for op, p in problems if (not ops or op in ops) and (not only or label(p) in only)]
     if not problems:
         raise click.BadParameter(f"no problem of {source} matches --op {', '.join(ops) or '(any)'} "

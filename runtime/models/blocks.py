@@ -41,9 +41,11 @@ DEQUANT_MIN_T = 256
 DEQUANT_MAX_BYTES = 512 << 20
 
 
-def _env_tokens(name: str) -> int | None:
-    """A token count from the environment (A/B runs); None when unset or "off"."""
-    v = os.environ.get(name, "off")
+def _env_tokens(name: str, default: int | None) -> int | None:
+    """A token count from the environment (A/B runs): `default` when unset, None for "off"."""
+    v = os.environ.get(name)
+    if v is None:
+        return default
     if v == "off":
         return None
     if not v.isdigit():
@@ -54,11 +56,12 @@ def _env_tokens(name: str) -> int | None:
 # Packed MoE experts (SparseMoE.packed_experts): up to MOE_SPLIT_MAX_T tokens they run split in two launches
 # (moe_gate_up_<fmt>, moe_down_<fmt>) whose blocks cover every SM; from MOE_GROUPED_MIN_T tokens on, grouped by
 # expert (moe_align, moe_gate_up_grouped_<fmt>, moe_down_grouped_<fmt>, moe_sum); in between, and while a form
-# is off (0 / None), the token-centric single op moe_experts_<fmt>. Both forms stay off until their kernels have
-# passed their GPU tests and the crossovers are measured on the H200: they were written in a session without a
-# GPU (PERF_NOTES.md, session 8). NINFER_MOE_SPLIT_MAX_T / NINFER_MOE_GROUPED_MIN_T override them (A/B runs).
-MOE_SPLIT_MAX_T = _env_tokens("NINFER_MOE_SPLIT_MAX_T") or 0
-MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T")
+# is off (0 / None), the token-centric single op moe_experts_<fmt>. The crossovers, H200, 35B-A3B q4
+# (PERF_NOTES.md, session 9): split beats moe_experts at every T up to 64 (T = 1: 12.9 vs 43.8 us; T = 64: 351 vs
+# 362 us), grouped beats split somewhere between 64 and 128 tokens and moe_experts 4.5x at 1024.
+# NINFER_MOE_SPLIT_MAX_T / NINFER_MOE_GROUPED_MIN_T override them (a token count or "off"; A/B runs).
+MOE_SPLIT_MAX_T = _env_tokens("NINFER_MOE_SPLIT_MAX_T", 64) or 0
+MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", 65)
 
 
 def dequant_scratch_bytes(weights: dict) -> int:

@@ -183,10 +183,10 @@ def test_moe_grouped_form_computes_moe_experts(be, fmt):
 def test_moe_form_thresholds_read_from_the_environment(monkeypatch):
     from ninfer.runtime.models.blocks import _env_tokens
     monkeypatch.delenv("NINFER_TEST_TOKENS", raising=False)
-    assert _env_tokens("NINFER_TEST_TOKENS") is None
+    assert _env_tokens("NINFER_TEST_TOKENS", 64) == 64
     for value, want in [("off", None), ("0", 0), ("17", 17)]:
         monkeypatch.setenv("NINFER_TEST_TOKENS", value)
-        assert _env_tokens("NINFER_TEST_TOKENS") == want
+        assert _env_tokens("NINFER_TEST_TOKENS", 64) == want
     monkeypatch.setenv("NINFER_TEST_TOKENS", "-1")
     with pytest.raises(ValueError, match=r"NINFER_TEST_TOKENS='-1': expected a token count"):
-        _env_tokens("NINFER_TEST_TOKENS")
+        _env_tokens("NINFER_TEST_TOKENS", 64)

@@ -39,6 +39,11 @@ def test_a_new_run_keeps_the_other_problems_and_notes(tmp_path):
     tables, note = _merge(f, [a2], "2026-12-02, qwen3.6-27b q4, grid 1,2,3", "qwen3.6-27b q4")
     assert shown(tables) == [b, a2]
     assert note == "2026-12-01, qwen3.6-35b-a3b q4, grid 1,2; 2026-12-02, qwen3.6-27b q4, grid 1,2,3"
+    f.write_text(render(GPU, "sm_90a", note, tables), encoding="utf-8")
+    some = "qwen3.6-35b-a3b q4 (linear_q4)"   # a run of some ops (--op) keeps the whole-model run's note
+    tables, note = _merge(f, [b], f"2026-12-03, {some}, grid 1", some)
+    assert note == ("2026-12-01, qwen3.6-35b-a3b q4, grid 1,2; 2026-12-02, qwen3.6-27b q4, grid 1,2,3; "
+                    "2026-12-03, qwen3.6-35b-a3b q4 (linear_q4), grid 1")
 
 
 def test_model_problems_are_the_linear_shapes_and_the_norms():
@@ -154,13 +159,13 @@ def test_expert_problems_are_every_form_of_the_routed_experts():
 def test_a_tuned_expert_table_is_used_on_its_gpu(spec_tree):
     specs, templates = spec_tree
     problem = {"H": 2048, "E": 256, "I": 512, "K": 8}
-    spans = [{"from": 1, "to": 8, "use": "gemv.t1k4"}, {"from": 9, "to": None, "use": "gemv.t4k2"}]
+    spans = [{"from": 1, "to": 8, "use": "gemv.t1k4"}, {"from": 9, "to": None, "use": "gemv.t2k4"}]
     write_validated(specs, templates, "test-gpu.yaml",
                     render(GPU, "sm_90a", "test", [{"op": "moe_gate_up_q4", "problem": problem, "spans": spans}]))
     m = Manifest(build_manifest_and_sources(load_specs(specs, templates), templates)[0])
     assert m.resolve("sm_90a", "moe_gate_up_q4", "bf16", problem, 8, gpu=GPU).instance == "gemv.t1k4"
-    assert m.resolve("sm_90a", "moe_gate_up_q4", "bf16", problem, 9, gpu=GPU).instance == "gemv.t4k2"
-    assert m.resolve("sm_90a", "moe_gate_up_q4", "bf16", problem, 9).instance == "gemv.t2k4"   # another GPU: the default
+    assert m.resolve("sm_90a", "moe_gate_up_q4", "bf16", problem, 9, gpu=GPU).instance == "gemv.t2k4"
+    assert m.resolve("sm_90a", "moe_gate_up_q4", "bf16", problem, 9).instance == "gemv.t4k2"   # another GPU: the default
 
 
 def test_recipe_problems_follow_each_roles_format():
