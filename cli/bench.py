@@ -241,7 +241,7 @@ def _graph_profile(torch, eng, live, step_secs: float, steps: int = 8) -> None:
 
 
 def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_prompt: int, steps: int,
-                json_out: str | None, fmt: str = "bf16", profile: int = 0, prefill_chunk: int = 1024) -> None:
+                json_out: str | None, fmt: str = "bf16", profile: int = 0, prefill_chunk: int = 4096) -> None:
     import time
 
     import torch
@@ -282,14 +282,14 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         rows.append({"kind": "prefill", "tokens": n, "tok_s": tps, "ttft_s": secs, "peak_frac": frac})
         click.echo(f"prefill {n:>6} tokens: {tps:>9,.0f} tok/s  TTFT {secs:6.2f} s  {100 * frac:5.1f} % of bf16 peak")
     if profile:  # one eager prefill chunk and one eager decode step, op by op
-        seq = eng.open(ids(profile + 1), max_new=2)
+        seq = eng.open(ids(profile), max_new=2)
         graphs, eng.graphs = eng.graphs, None
         try:
             eng.be.profile = []
             while not eng.prefill(seq):
                 if seq.prefilled + eng.prefill_chunk >= len(seq.prompt):   # keep only the last chunk (most context)
                     eng.be.profile = []
-            _profile_table(torch, eng.be.profile, f"profile: last prefill chunk of a {profile + 1}-token prompt",
+            _profile_table(torch, eng.be.profile, f"profile: last prefill chunk of a {profile}-token prompt",
                            copy_gbs, gemm_tflops)
             eng.be.profile = []
             eng.decode([seq])
@@ -343,8 +343,9 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
               "default format, the mix a converted checkpoint gets)")
 @click.option("--profile", type=int, default=0, help="also time each op of one prefill of this many tokens and "
               "of one decode step (eager)")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=1024, show_default=True,
-              help="prompt tokens per prefill step (each step decodes every packed matrix once for the GEMMs)")
+@click.option("--prefill-chunk", type=click.IntRange(1), default=4096, show_default=True,
+              help="prompt tokens per prefill step (each step decodes every packed matrix once for the GEMMs; "
+              "ninfer-serve's default while no other request decodes)")
 @click.option("--json", "json_out", type=click.Path())
 def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, prefill_chunk, json_out) -> None:
     """Prefill and decode tok/s of the whole model at real shapes with synthetic weights."""

@@ -76,7 +76,7 @@ def shout(text: str) -> None:
               help="A jinja chat template file that replaces the artifact's.")
 @click.option("--backend", type=click.Choice(["auto", "cuda", "reference"]), default="auto", show_default=True,
               help="Generated CUDA kernels, or the torch reference (CPU without a GPU); auto picks cuda on a GPU.")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=2048, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(1), default=4096, show_default=True,
               help="Most prompt tokens per prefill step, while no other request decodes (every step reads all "
                    "the weights; GPU memory is planned for this many).")
 @click.option("--prefill-chunk-decoding", type=click.IntRange(1), default=512, show_default=True,
@@ -112,7 +112,7 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
 
 def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending, pending_timeout_ms,
                 max_request_mib=64.0, default_max_tokens=8192, log_path=None, log_max_mib=64.0, log_keep=3,
-                tolerant=False, template=None, backend="auto", prefill_chunk=2048, prefill_chunk_decoding=512,
+                tolerant=False, template=None, backend="auto", prefill_chunk=4096, prefill_chunk_decoding=512,
                 api_key=None, engine=None):
     """Engine, scheduler and server state (also what tests start in-process)."""
     from ninfer.runtime.artifact import ArtifactError
