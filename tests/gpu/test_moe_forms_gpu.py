@@ -100,7 +100,8 @@ def test_split_cuda_graph_t1(be, ref):
 
 
 # ---- the grouped form: moe_align, moe_gate_up_grouped_<fmt>, moe_down_grouped_<fmt>, moe_sum -------------------------
-GROUPED_CASES = [(REAL, 64), (REAL, 300)] + [(s, T) for s in (ODD, SMALL) for T in (1, 9, 300)]
+GROUPED_CASES = [(REAL, 64, False), (REAL, 300, False), (REAL, 300, True)] + [
+    (s, T, hot) for s in (ODD, SMALL) for T, hot in ((1, False), (9, False), (300, False), (300, True))]
 
 
 def align(be, ids, E):
@@ -121,12 +122,24 @@ def test_moe_align_is_the_reference_exactly(be, ref, T, E, K):
     assert torch.equal(got[0], want[0]), "order"
 
 
-@pytest.mark.parametrize("shape,T", GROUPED_CASES, ids=[f"{name(s)}-T{T}" for s, T in GROUPED_CASES])
+def make_hot(ids, e):
+    """Slot 0 of every token on expert e (its passes then outnumber the blocks of all the other experts), the
+    token's other slots kept distinct from it."""
+    first = ids[:, :1].clone()
+    ids[:, 1:] = torch.where(ids[:, 1:] == e, first.expand_as(ids[:, 1:]), ids[:, 1:])
+    ids[:, 0] = e
+
+
+@pytest.mark.parametrize("shape,T,hot", GROUPED_CASES,
+                         ids=[f"{name(s)}-T{T}{'-hot' if hot else ''}" for s, T, hot in GROUPED_CASES])
 @pytest.mark.parametrize("fmt", PACKED)
-def test_grouped_every_route(be, ref, fmt, shape, T):
+def test_grouped_every_route(be, ref, fmt, shape, T, hot):
     """Each grouped op against its reference (down over the reference h, moe_sum over the reference ys), the
-    table's route and every instance by name; the whole form (moe_align on the GPU too) against moe_experts_<fmt>."""
+    table's route and every instance by name; the whole form (moe_align on the GPU too) against moe_experts_<fmt>.
+    `hot`: one expert takes every token's first slot (one expert's passes spread over many blocks)."""
     ins = inputs((fmt, fmt), shape, T, seed=T * 29 + shape["H"])
+    if hot:
+        make_hot(ins["ids"], shape["E"] // 2)
     if T > 1:  # a slot no expert owns
         ins["ids"][T - 1, 0] = -1
     K, I, H, E = shape["K"], shape["I"], shape["H"], shape["E"]

@@ -324,6 +324,28 @@ def expert_pairs(offsets, e: int, TK: int) -> tuple[int, int]:
     return 0 if e == 0 else int(offsets[e - 1]), int(offsets[e]) if e < E else TK
 
 
+def find_pass(offsets, TK: int, NT: int, threads: int, pass_: int):
+    """_moe_grouped.cuh.j2's find_pass: thread tid counts the passes of its ceil((E + 1) / threads) segments, an
+    exclusive scan gives its first pass number, the thread whose range holds the pass names (segment, first pair)."""
+    E = offsets.size
+    per = (E + threads) // threads
+    def passes(s):
+        b, e = expert_pairs(offsets, s, TK)
+        return (e - b + NT - 1) // NT
+    mine = [sum(passes(s) for s in range(tid * per, min(tid * per + per, E + 1))) for tid in range(threads)]
+    first = np.concatenate([[0], np.cumsum(mine)[:-1]])
+    hits = [tid for tid in range(threads) if first[tid] <= pass_ < first[tid] + mine[tid]]
+    if not hits:
+        return None
+    assert len(hits) == 1   # one writer of the shared result
+    n = int(first[hits[0]])
+    for s in range(hits[0] * per, min(hits[0] * per + per, E + 1)):
+        if pass_ < n + passes(s):
+            return s, expert_pairs(offsets, s, TK)[0] + (pass_ - n) * NT
+        n += passes(s)
+    raise AssertionError("the thread's range holds the pass")
+
+
 def stage_tile(f: Fmt, rows: np.ndarray, pr: list, s0: int, XW: int, limit: int):
     """The grouped kernels' staging of one tile (warp steps s0 ..): per pass column c, the values rows[pr[c]] at
     lanes s0 * STEP + lt, each lane stored at its pair-order place as hi = bf16(v) and lo = bf16(v - hi)
@@ -368,36 +390,39 @@ def emulate_gate_up_grouped(f: Fmt, tile: dict, x, gate_up, order, offsets, I):
     h = np.full((T * K, I), np.nan)
     nb = -(-I // (8 * TASKS))
     NS = ((H + 127) & ~127) // f.step
-    for b in range((E + 1) * nb):
-        e, ib = divmod(b, nb)
+    for b in range((-(-T * K // NT) + E + 1) * nb):
+        pass_, ib = divmod(b, nb)
         i0 = ib * 8 * TASKS
-        p_begin, p_end = expert_pairs(offsets, e, T * K)
+        found = find_pass(offsets, T * K, NT, 32 * TASKS, pass_)
+        if found is None:
+            continue
+        e, p0 = found
+        p_end = min(p0 + NT, expert_pairs(offsets, e, T * K)[1])
         if e == E:
-            for p in range(p_begin, p_end):
+            for p in range(p0, p_end):
                 h[flat[p], i0:min(i0 + 8 * TASKS, I)] = 0
             continue
-        for p0 in range(p_begin, p_end, NT):
-            pr = [int(flat[p0 + c]) if p0 + c < p_end else -1 for c in range(NT)]
-            acc = np.zeros((TASKS, GROUPS, 32, 4))
-            for s0 in range(0, NS, KT):
-                xs, _ = stage_tile(f, xt, pr, s0, XW, H)
-                for warp in range(TASKS):
-                    if not i0 + 8 * warp < I:
-                        continue
-                    item = i0 + 8 * warp + G_
-                    rows_a = [f.row(E * 2 * I, H, e * 2 * I + int(item[ln])) for ln in range(32)]
-                    rows_b = [f.row(E * 2 * I, H, e * 2 * I + int(item[ln]) + I) for ln in range(32)]
-                    for u in range(min(KT, NS - s0)):
-                        grouped_step(f, gate_up, rows_a, rows_b, s0 + u, u, [xs], acc[warp])
+        pr = [int(flat[p0 + c]) if p0 + c < p_end else -1 for c in range(NT)]
+        acc = np.zeros((TASKS, GROUPS, 32, 4))
+        for s0 in range(0, NS, KT):
+            xs, _ = stage_tile(f, xt, pr, s0, XW, H)
             for warp in range(TASKS):
                 if not i0 + 8 * warp < I:
                     continue
-                for ln in range(32):
-                    for c in range(GROUPS):
-                        for j in range(2):
-                            pair = pr[8 * c + 2 * C_[ln] + j]
-                            if pair >= 0:
-                                h[pair, i0 + 8 * warp + G_[ln]] = silu(acc[warp, c, ln, j]) * acc[warp, c, ln, 2 + j]
+                item = i0 + 8 * warp + G_
+                rows_a = [f.row(E * 2 * I, H, e * 2 * I + int(item[ln])) for ln in range(32)]
+                rows_b = [f.row(E * 2 * I, H, e * 2 * I + int(item[ln]) + I) for ln in range(32)]
+                for u in range(min(KT, NS - s0)):
+                    grouped_step(f, gate_up, rows_a, rows_b, s0 + u, u, [xs], acc[warp])
+        for warp in range(TASKS):
+            if not i0 + 8 * warp < I:
+                continue
+            for ln in range(32):
+                for c in range(GROUPS):
+                    for j in range(2):
+                        pair = pr[8 * c + 2 * C_[ln] + j]
+                        if pair >= 0:
+                            h[pair, i0 + 8 * warp + G_[ln]] = silu(acc[warp, c, ln, j]) * acc[warp, c, ln, 2 + j]
     return h.reshape(T, K, I)
 
 
@@ -410,41 +435,44 @@ def emulate_down_grouped(f: Fmt, tile: dict, h, down, weights, order, offsets, H
     ys = np.full((T * K, H), np.nan)
     nb = -(-H // (16 * TASKS))
     NS = ((I + 127) & ~127) // f.step
-    for b in range((E + 1) * nb):
-        e, nbi = divmod(b, nb)
+    for b in range((-(-T * K // NT) + E + 1) * nb):
+        pass_, nbi = divmod(b, nb)
         n0 = nbi * 16 * TASKS
-        p_begin, p_end = expert_pairs(offsets, e, T * K)
+        found = find_pass(offsets, T * K, NT, 32 * TASKS, pass_)
+        if found is None:
+            continue
+        e, p0 = found
+        p_end = min(p0 + NT, expert_pairs(offsets, e, T * K)[1])
         if e == E:
-            for p in range(p_begin, p_end):
+            for p in range(p0, p_end):
                 ys[flat[p], n0:min(n0 + 16 * TASKS, H)] = 0
             continue
-        for p0 in range(p_begin, p_end, NT):
-            pr = [int(flat[p0 + c]) if p0 + c < p_end else -1 for c in range(NT)]
-            acc = np.zeros((TASKS, GROUPS, 32, 4))
-            for s0 in range(0, NS, KT):
-                hhi, hlo = stage_tile(f, hf_, pr, s0, XW, I)
-                for warp in range(TASKS):
-                    r0 = n0 + 16 * warp
-                    if r0 >= H:
-                        continue
-                    rows_a = [f.row(E * H, I, e * H + min(r0 + int(G_[ln]), H - 1)) for ln in range(32)]
-                    rows_b = [f.row(E * H, I, e * H + min(r0 + int(G_[ln]) + 8, H - 1)) for ln in range(32)]
-                    for u in range(min(KT, NS - s0)):
-                        grouped_step(f, down, rows_a, rows_b, s0 + u, u, [hhi, hlo], acc[warp])
+        pr = [int(flat[p0 + c]) if p0 + c < p_end else -1 for c in range(NT)]
+        acc = np.zeros((TASKS, GROUPS, 32, 4))
+        for s0 in range(0, NS, KT):
+            hhi, hlo = stage_tile(f, hf_, pr, s0, XW, I)
             for warp in range(TASKS):
                 r0 = n0 + 16 * warp
                 if r0 >= H:
                     continue
-                for ln in range(32):
-                    for c in range(GROUPS):
-                        for j in range(2):
-                            pair = pr[8 * c + 2 * C_[ln] + j]
-                            if pair < 0:
-                                continue
-                            if r0 + G_[ln] < H:
-                                ys[pair, r0 + G_[ln]] = wf[pair] * acc[warp, c, ln, j]
-                            if r0 + G_[ln] + 8 < H:
-                                ys[pair, r0 + G_[ln] + 8] = wf[pair] * acc[warp, c, ln, 2 + j]
+                rows_a = [f.row(E * H, I, e * H + min(r0 + int(G_[ln]), H - 1)) for ln in range(32)]
+                rows_b = [f.row(E * H, I, e * H + min(r0 + int(G_[ln]) + 8, H - 1)) for ln in range(32)]
+                for u in range(min(KT, NS - s0)):
+                    grouped_step(f, down, rows_a, rows_b, s0 + u, u, [hhi, hlo], acc[warp])
+        for warp in range(TASKS):
+            r0 = n0 + 16 * warp
+            if r0 >= H:
+                continue
+            for ln in range(32):
+                for c in range(GROUPS):
+                    for j in range(2):
+                        pair = pr[8 * c + 2 * C_[ln] + j]
+                        if pair < 0:
+                            continue
+                        if r0 + G_[ln] < H:
+                            ys[pair, r0 + G_[ln]] = wf[pair] * acc[warp, c, ln, j]
+                        if r0 + G_[ln] + 8 < H:
+                            ys[pair, r0 + G_[ln] + 8] = wf[pair] * acc[warp, c, ln, 2 + j]
     return ys.reshape(T, K, H)
 
 
@@ -515,6 +543,21 @@ def test_grouped_kernels(fmt):
     for name, tile in tiles("moe_down_grouped_packed.yaml", "mma").items():
         close(emulate_down_grouped(f, tile, want_h, down, weights, order, offsets, H), want_ys,
               f"moe_down_grouped_{fmt} {name}")
+
+
+def test_find_pass_numbers_every_pass_once():
+    """The grouped kernels' grid (cdiv(T*K, NT) + E + 1 passes) holds every pass of every segment, in order, once,
+    however the pairs spread over the experts: a hot expert, empty ones, invalid ids, more segments than threads."""
+    rng = np.random.default_rng(3)
+    for E, threads, NT in [(3, 128, 32), (300, 128, 32), (511, 256, 64), (256, 256, 32)]:
+        counts = rng.integers(0, 5, E) * (rng.random(E) < 0.7)
+        counts[rng.integers(E)] += 700                                    # one hot expert
+        offsets = np.cumsum(counts)
+        TK = int(offsets[-1]) + 5                                         # 5 pairs with invalid ids
+        want = [(s, p) for s in range(E + 1) for p in range(*expert_pairs(offsets, s, TK), NT)]
+        grid = -(-TK // NT) + E + 1
+        got = [find_pass(offsets, TK, NT, threads, k) for k in range(grid)]
+        assert got == want + [None] * (grid - len(want)), (E, threads, NT)
 
 
 def test_align_is_the_reference_sort():
