@@ -64,6 +64,23 @@ MOE_SPLIT_MAX_T = _env_tokens("NINFER_MOE_SPLIT_MAX_T", 64) or 0
 MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", 65)
 
 
+# The shared expert on a second CUDA stream beside the router and routed experts: a fork and a join, which a decode
+# graph captures as two parallel branches, so the shared expert's four small launches leave the step's critical
+# path (35B-A3B decode is launch-latency bound: ~600 launches, 2.85 ms per step on the H200). Written without
+# device time left to measure it (PERF_NOTES.md, session 9): off until the H200 A/B; NINFER_MOE_SHARED_STREAM=1.
+MOE_SHARED_STREAM = os.environ.get("NINFER_MOE_SHARED_STREAM", "0") == "1"
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(x: torch.Tensor):
+    """The device's second stream for work beside the current stream's, or None (CPU tensors, or turned off)."""
+    if not MOE_SHARED_STREAM or x.device.type != "cuda":
+        return None
+    if x.device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
+    return _SIDE_STREAMS[x.device]
+
+
 def dequant_scratch_bytes(weights: dict) -> int:
     """The largest bf16 scratch a prefill decodes a packed matrix into (linear below): memory planning keeps it free."""
     sizes = [2 * w.matrix[0] * w.matrix[1] for w in weights.values() if isinstance(w, PackedWeight)]
@@ -229,6 +246,11 @@ class SparseMoE:
     def __call__(self, be, x):
         c = self.cfg
         T = x.shape[0]
+        side = side_stream(x)
+        if side is not None:   # fork: the shared expert runs beside the routed experts (joined before the sum)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                shared, g = self.shared(be, x), linear(be, x, self.shared_gate)
         logits = new(x, T, self.router.shape[0], dtype=torch.float32)  # fp32: bf16 logits flip near-tie top-k
         be.run("moe_router", x=x, w=self.router, logits=logits)
         weights = new(x, T, c.experts_per_token, dtype=torch.float32)
@@ -239,8 +261,10 @@ class SparseMoE:
             self.packed_experts(be, x, weights, ids, y)
         else:
             be.run("moe_experts", x=x, gate_up=self.gate_up, down=self.down, weights=weights, ids=ids, y=y)
-        shared = self.shared(be, x)
-        g = linear(be, x, self.shared_gate)
+        if side is None:
+            shared, g = self.shared(be, x), linear(be, x, self.shared_gate)
+        else:   # join (the side stream's tensors are next reused after the next fork, which waits for this stream)
+            torch.cuda.current_stream(x.device).wait_stream(side)
         be.run("sigmoid_gate_add", a=y, b=shared, g=g, y=y)
         return y
 

@@ -220,3 +220,28 @@ def test_penalties_see_the_same_counts_with_and_without_graphs():
             eng.close()
     assert runs[0] == runs[1]
     assert len(set(runs[0][0])) > 1, "the sampled sequence should vary"
+
+
+@pytest.mark.parametrize("artifact", ["moe.ninfer", "moe.mix.ninfer", "next.mix.ninfer"])
+def test_the_shared_expert_stream_gives_the_same_model(monkeypatch, artifact):
+    """The shared expert on a second stream (blocks.MOE_SHARED_STREAM: a fork and a join, captured into the decode
+    graph as parallel branches) runs the same kernels on the same inputs: the same logits bit for bit, and the
+    same greedy tokens through the decode graphs, with every lane and page back in the pool."""
+    from ninfer.runtime.engine import Engine
+    from ninfer.runtime.models import blocks
+    path = ORACLE / artifact
+    if not path.is_file():
+        pytest.skip(f"no artifact at {path} (python tests/gpu/make_oracle.py {ORACLE})")
+    prompts = [c["prompt"] for c in cases(artifact.split(".")[0])[:3]]
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(blocks, "MOE_SHARED_STREAM", on)
+        eng = Engine(path, backend="cuda", max_context=128, max_seqs=4, prefill_chunk=16)
+        try:
+            runs.append((eng.score(prompts[0]), [s.generated for s in eng.generate(prompts, max_new=16)]))
+            assert eng.cache.in_use == (0, 0)
+        finally:
+            eng.close()
+    assert torch.equal(runs[0][0], runs[1][0]), "logits"
+    assert runs[0][1] == runs[1][1], "greedy tokens"
+    assert blocks._SIDE_STREAMS, "the side stream was used"
