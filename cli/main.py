@@ -183,7 +183,8 @@ def memory_report(engine) -> dict:
 @click.option("--max-new", type=click.IntRange(0), default=128, show_default=True, help="Most tokens to generate.")
 @click.option("--max-context", type=click.IntRange(1), default=2048, show_default=True,
               help="Context size planned for the sequence (prompt + generated tokens).")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=1024, show_default=True)
+@click.option("--prefill-chunk", type=click.IntRange(1), default=4096, show_default=True,
+              help="Most prompt tokens per prefill step (at most --max-context).")
 @click.option("--greedy", is_flag=True, help="Exact argmax decoding (forces temperature 0).")
 @click.option("--temperature", type=float, help="Default: generation_config.json's, else 0 (greedy).")
 @click.option("--top-k", type=int)

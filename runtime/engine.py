@@ -84,7 +84,7 @@ class Sequence:
 
 class Engine:
     def __init__(self, artifact_path, *, backend: str = "auto", max_context: int = 4096, max_seqs: int = 8,
-                 page_size: int = 16, prefill_chunk: int = 1024, kv_capacity: str | int = "auto",
+                 page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
                  cuda_graphs: bool = True, packed_weights: bool | None = None):
         """packed_weights: keep q4/q5/q6/w8/fp8 matrices packed (the packed ops decode them on the fly).
         Default: on the cuda backend; the reference backend decodes them once at load (its packed ops would
@@ -114,10 +114,11 @@ class Engine:
         return self
 
     def _setup(self, be, cfg: HybridConfig, weights: dict, domain: int, *, max_context: int = 4096,
-               max_seqs: int = 8, page_size: int = 16, prefill_chunk: int = 1024, kv_capacity: str | int = "auto",
+               max_seqs: int = 8, page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
                cuda_graphs: bool = True) -> None:
         if prefill_chunk < 1 or max_context < 1 or not 1 <= max_seqs <= 8:
             raise EngineError("prefill_chunk and max_context must be >= 1 and max_seqs within 1..8")
+        prefill_chunk = min(prefill_chunk, max_context)   # no chunk holds more (the memory plan reserves for it)
         if cfg.family not in MODELS:
             raise EngineError(f"no model file for family {cfg.family!r} (have: {', '.join(MODELS)})")
         self.be, self.cfg, self.weights, self.domain = be, cfg, weights, domain

@@ -196,3 +196,16 @@ def test_stop_strings_and_text(engine, demo_artifact):
     cut, done2 = asyncio.run(run([stop, "\x00never"]))
     assert cut == text[:text.index(stop)] and done2.finish_reason == "stop" and done2.stop_string == stop
     assert engine.cache.in_use == (0, 0)
+
+
+def test_a_chunk_never_exceeds_the_context(demo_artifact):
+    """The engine clamps prefill_chunk to max_context: no step could hold more, and the memory plan reserves
+    activations for the chunk."""
+    eng = Engine(demo_artifact, backend="reference", max_context=48, max_seqs=1, prefill_chunk=4096)
+    try:
+        assert eng.prefill_chunk == 48
+        seq = eng.open(list(range(3, 43)), max_new=1)
+        assert eng.prefill(seq) and seq.prefilled == 40     # the whole prompt in one step
+        eng.release(seq)
+    finally:
+        eng.close()
