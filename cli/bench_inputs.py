@@ -80,8 +80,8 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
     if packed:
         dims["WB"] = nbytes(packed, (dims["N"], dims["K"]))
 
-    ts = {}
-    for name, spec in {**contract["inputs"], **contract["outputs"]}.items():
+    ts = {}   # int32 tensors without a V dim are zeros: moe_route's finish counter must start at 0
+    for name, spec in {**contract["inputs"], **contract["outputs"], **contract["states"]}.items():
         dt = TORCH_DTYPES[dtype if spec["dtype"] == "$dtype" else spec["dtype"]]
         if dt == torch.uint8:
             ts[name] = random_packed(packed, (dims["N"], dims["K"]), rng.device, rng, dims["K"] ** -0.5).data

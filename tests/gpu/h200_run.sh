@@ -3,7 +3,7 @@
 # The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
-#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab stream-ab chunk-ab" (default: tests bench-27b bench-35b)
+#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab decode-ab chunk-ab" (default: tests bench-27b bench-35b)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), BENCH_OPS="linear_q4 ..." (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
@@ -42,10 +42,10 @@ for stage in $STAGES; do
         NINFER_MOE_SPLIT_MAX_T=$1 NINFER_MOE_GROUPED_MIN_T=$2 timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model \
           --shape qwen3.6-35b-a3b --weights q4 ${BENCH35:-} --json "$OUT/moe-ab-$1-$2.json" 2>&1 | tee "$OUT/moe-ab-$1-$2.log"
       done ;;
-    stream-ab)  # the 35B-A3B q4 model with the shared expert inline and on its own stream (blocks.MOE_SHARED_STREAM)
-      for on in 0 1; do
-        NINFER_MOE_SHARED_STREAM=$on timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b \
-          --weights q4 ${BENCH35:-} --json "$OUT/stream-ab-$on.json" 2>&1 | tee "$OUT/stream-ab-$on.log"
+    decode-ab)  # the 35B-A3B q4 model: shared expert inline / on its own stream x router + top-k as two ops / one
+      for form in "0 0" "1 0" "0 8" "1 8"; do set -- $form
+        NINFER_MOE_SHARED_STREAM=$1 NINFER_MOE_ROUTE_MAX_T=$2 timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model \
+          --shape qwen3.6-35b-a3b --weights q4 ${BENCH35:-} --json "$OUT/decode-ab-$1-$2.json" 2>&1 | tee "$OUT/decode-ab-$1-$2.log"
       done ;;
     chunk-ab)  # 27B q4 prefill with prefill chunks of 1024, 4096 and 8192 tokens
       for chunk in 1024 4096 8192; do
