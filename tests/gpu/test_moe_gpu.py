@@ -181,18 +181,21 @@ def test_topk_every_route(be, ref):
 ROUTE_SHAPES = [(256, 2048, 8), (512, 2048, 10), (8, 256, 2), (10, 72, 3)]
 
 
-def route_case(be, ref, T, E, H, K, renormalize, seed, route=None, plan_only=False):
-    """moe_route against the reference moe_router (logits) and moe_topk over the kernel's own logits (ids exactly,
-    weights within bf16_reduction: a near-tie is decided on the same fp32 values); the counter back at 0."""
+def route_plan(be, T, E, H, K, renormalize, seed, route=None):
+    """A moe_route launch on random x, w with poisoned outputs and the counter at 0: (plan, x, w, outputs, done)."""
     g = gen(seed)
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     w = (torch.randn(E, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
     done = torch.zeros(1, dtype=torch.int32, device="cuda")
     got = {"logits": nan_like((T, E), torch.float32), "weights": nan_like((T, K), torch.float32),
            "ids": nan_like((T, K), torch.int32)}
-    plan = be.plan("moe_route", route=route, x=x, w=w, **got, done=done, renormalize=renormalize)
-    if plan_only:
-        return plan, x, w, got, done
+    return be.plan("moe_route", route=route, x=x, w=w, **got, done=done, renormalize=renormalize), x, w, got, done
+
+
+def route_case(be, ref, T, E, H, K, renormalize, seed, route=None):
+    """moe_route against the reference moe_router (logits) and moe_topk over the kernel's own logits (ids exactly,
+    weights within bf16_reduction: a near-tie is decided on the same fp32 values); the counter back at 0."""
+    plan, x, w, got, done = route_plan(be, T, E, H, K, renormalize, seed, route)
     plan()
     torch.cuda.synchronize()
     check_route(be, ref, x, w, got, done, renormalize, f"moe_route T={T} E={E} H={H} K={K} renorm={renormalize} "
@@ -201,7 +204,6 @@ def route_case(be, ref, T, E, H, K, renormalize, seed, route=None, plan_only=Fal
 
 
 def check_route(be, ref, x, w, got, done, renormalize, what):
-    T, K = got["ids"].shape
     want = {k: nan_like(v.shape, v.dtype) for k, v in got.items()}
     ref.run("moe_router", x=x.clone(), w=w.clone(), logits=want["logits"])
     ref.run("moe_topk", logits=got["logits"].clone(), weights=want["weights"], ids=want["ids"], renormalize=renormalize)
@@ -226,7 +228,7 @@ def test_route_in_cuda_graph(be, ref):
     """Graph replays on new x: each replay finds the counter at 0 (the last block resets it) and routes anew."""
     E, H, K = 256, 2048, 8
     for T in (1, 8):
-        plan, x, w, got, done = route_case(be, ref, T, E, H, K, 1, seed=700 + T, plan_only=True)
+        plan, x, w, got, done = route_plan(be, T, E, H, K, 1, seed=700 + T)
         graph = capture(plan)
         for i in range(3):
             x.copy_(torch.randn(T, H, device="cuda", generator=gen(710 + 10 * T + i)).bfloat16())
