@@ -45,7 +45,7 @@ CASES = [
     ("moe_experts_q4", MOE_35B, [1, 2, 4, 8, 16, 32, 64, 256, 1024]),
     *((op, MOE_35B, [1, 8]) for op in ("moe_experts_q4_q5", "moe_down_q5")),
     # routing at decode: router and top-k as two launches, and as one (moe_route)
-    ("moe_router", {"E": 256, "H": 2048}, [1, 8]),
+    ("moe_router", {"E": 256, "H": 2048}, [1, 8, 1024, 4096]),
     ("moe_topk", {"E": 256, "K": 8}, [1, 8]),
     ("moe_route", {"E": 256, "H": 2048, "K": 8}, [1, 8]),
     # the prefill form: pairs sorted by expert, grouped GEMMs, slot sum
