@@ -52,6 +52,24 @@ def test_the_reference_backend_decodes_packed_weights_at_load_by_default(tmp_pat
         eng.close()
 
 
+def moe_engine(tmp_path, fmt):
+    """The tiny MoE checkpoint converted with fmt (None: the recipe's mix) on the reference backend, weights packed."""
+    d = build("moe", tmp_path / "ckpt")
+    art = tmp_path / "moe.ninfer"
+    plan = plan_conversion(d, fmt=fmt)
+    convert(plan, art)
+    plan.checkpoint.close()
+    return Engine(art, backend="reference", max_context=64, packed_weights=True)
+
+
+def record_ops(monkeypatch, eng) -> list:
+    """The names of the ops the engine's backend runs from here on, in order."""
+    calls = []
+    run = eng.be.run
+    monkeypatch.setattr(eng.be, "run", lambda op, **kw: (calls.append(op), run(op, **kw))[1])
+    return calls
+
+
 # (MOE_SPLIT_MAX_T, MOE_GROUPED_MIN_T) -> the expert ops every step runs (the prompt and each decode step)
 MOE_FORMS = {"split": ((64, None), ("moe_gate_up_", "moe_down_")),
              "grouped": ((0, 1), ("moe_align", "moe_gate_up_grouped_", "moe_down_grouped_", "moe_sum"))}
@@ -63,17 +81,10 @@ def test_the_split_and_grouped_moe_forms_compute_the_single_op(tmp_path, monkeyp
     """The decode form (moe_gate_up_<fmt> + moe_down_<fmt>) and the prefill form (moe_align, the grouped ops,
     moe_sum) of the packed experts give the logits and greedy tokens of the single op moe_experts_<fmt>."""
     from ninfer.runtime.models import blocks
-    d = build("moe", tmp_path / "ckpt")
-    art = tmp_path / "moe.ninfer"
-    plan = plan_conversion(d, fmt=fmt)
-    convert(plan, art)
-    plan.checkpoint.close()
-    eng = Engine(art, backend="reference", max_context=64, packed_weights=True)
+    eng = moe_engine(tmp_path, fmt)
     try:
         ids = list(range(3, 40, 2))
-        calls = []
-        run = eng.be.run
-        monkeypatch.setattr(eng.be, "run", lambda op, **kw: (calls.append(op), run(op, **kw))[1])
+        calls = record_ops(monkeypatch, eng)
         monkeypatch.setattr(blocks, "MOE_SPLIT_MAX_T", 0)
         monkeypatch.setattr(blocks, "MOE_GROUPED_MIN_T", None)
         single_logits = eng.score(ids)
@@ -97,17 +108,10 @@ def test_moe_route_gives_the_model_of_router_and_topk(tmp_path, monkeypatch, rou
     """Router and top-k in one op (moe_route, up to MOE_ROUTE_MAX_T tokens: the decode steps, and with 64 the
     prompt too) give the same logits and greedy tokens as the two ops."""
     from ninfer.runtime.models import blocks
-    d = build("moe", tmp_path / "ckpt")
-    art = tmp_path / "moe.ninfer"
-    plan = plan_conversion(d, fmt=None)
-    convert(plan, art)
-    plan.checkpoint.close()
-    eng = Engine(art, backend="reference", max_context=64, packed_weights=True)
+    eng = moe_engine(tmp_path, None)
     try:
         ids = list(range(3, 40, 2))
-        calls = []
-        run = eng.be.run
-        monkeypatch.setattr(eng.be, "run", lambda op, **kw: (calls.append(op), run(op, **kw))[1])
+        calls = record_ops(monkeypatch, eng)
         monkeypatch.setattr(blocks, "MOE_ROUTE_MAX_T", 0)
         two_ops = eng.score(ids), eng.generate([ids[:7]], max_new=8)[0].generated
         assert "moe_route" not in calls
