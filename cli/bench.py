@@ -240,6 +240,9 @@ def _graph_profile(torch, eng, live, step_secs: float, steps: int = 8) -> None:
     launches = sum(a[0] for a in agg.values())
     click.echo(f"graph profile, C={len(live)}: {kernels / 1e3:.2f} ms of kernels per {step_secs * 1e3:.2f} ms step, "
                f"{launches:.0f} launches ({(step_secs * 1e6 - kernels) / max(launches, 1):.2f} us of gap per launch)")
+    if eng.be.pdl:   # a kernel launched early waits in griddepcontrol.wait, and that wait counts as its time
+        click.echo("  (programmatic dependent launch is on: kernels overlap, so the times rank the ops but do not add "
+                   "up; NINFER_PDL=0 gives each kernel's own duration)")
     for (op, inst), (n, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:24]:
         click.echo(f"  {op:<22} {inst:<26} {n:6.0f} / step {us:9.1f} us {100 * us / kernels:5.1f} %  {us / max(n, 1):7.2f} us each")
 
