@@ -346,6 +346,25 @@ def find_pass(offsets, TK: int, NT: int, threads: int, pass_: int):
     raise AssertionError("the thread's range holds the pass")
 
 
+def grouped_blocks(flat, offsets, NT: int, threads: int, nb: int, width: int, out: np.ndarray):
+    """The grouped kernels' grid: block b takes pass b // nb (find_pass) and column block b % nb (`width` columns
+    of out). The invalid ids' passes zero their pairs' columns here; every other block yields (expert, column
+    block, the pass's pairs: NT entries, -1 past the expert's last)."""
+    E, TK = offsets.size, flat.size
+    for b in range((-(-TK // NT) + E + 1) * nb):
+        pass_, cb = divmod(b, nb)
+        found = find_pass(offsets, TK, NT, threads, pass_)
+        if found is None:
+            continue
+        e, p0 = found
+        p_end = min(p0 + NT, expert_pairs(offsets, e, TK)[1])
+        if e == E:
+            for p in range(p0, p_end):
+                out[flat[p], cb * width:min(cb * width + width, out.shape[1])] = 0
+            continue
+        yield e, cb, [int(flat[p0 + c]) if p0 + c < p_end else -1 for c in range(NT)]
+
+
 def stage_tile(f: Fmt, rows: np.ndarray, pr: list, s0: int, XW: int, limit: int):
     """The grouped kernels' staging of one tile (warp steps s0 ..): per pass column c, the values rows[pr[c]] at
     lanes s0 * STEP + lt, each lane stored at its pair-order place as hi = bf16(v) and lo = bf16(v - hi)
@@ -390,19 +409,8 @@ def emulate_gate_up_grouped(f: Fmt, tile: dict, x, gate_up, order, offsets, I):
     h = np.full((T * K, I), np.nan)
     nb = -(-I // (8 * TASKS))
     NS = ((H + 127) & ~127) // f.step
-    for b in range((-(-T * K // NT) + E + 1) * nb):
-        pass_, ib = divmod(b, nb)
+    for e, ib, pr in grouped_blocks(flat, offsets, NT, 32 * TASKS, nb, 8 * TASKS, h):
         i0 = ib * 8 * TASKS
-        found = find_pass(offsets, T * K, NT, 32 * TASKS, pass_)
-        if found is None:
-            continue
-        e, p0 = found
-        p_end = min(p0 + NT, expert_pairs(offsets, e, T * K)[1])
-        if e == E:
-            for p in range(p0, p_end):
-                h[flat[p], i0:min(i0 + 8 * TASKS, I)] = 0
-            continue
-        pr = [int(flat[p0 + c]) if p0 + c < p_end else -1 for c in range(NT)]
         acc = np.zeros((TASKS, GROUPS, 32, 4))
         for s0 in range(0, NS, KT):
             xs, _ = stage_tile(f, xt, pr, s0, XW, H)
@@ -435,19 +443,8 @@ def emulate_down_grouped(f: Fmt, tile: dict, h, down, weights, order, offsets, H
     ys = np.full((T * K, H), np.nan)
     nb = -(-H // (16 * TASKS))
     NS = ((I + 127) & ~127) // f.step
-    for b in range((-(-T * K // NT) + E + 1) * nb):
-        pass_, nbi = divmod(b, nb)
+    for e, nbi, pr in grouped_blocks(flat, offsets, NT, 32 * TASKS, nb, 16 * TASKS, ys):
         n0 = nbi * 16 * TASKS
-        found = find_pass(offsets, T * K, NT, 32 * TASKS, pass_)
-        if found is None:
-            continue
-        e, p0 = found
-        p_end = min(p0 + NT, expert_pairs(offsets, e, T * K)[1])
-        if e == E:
-            for p in range(p0, p_end):
-                ys[flat[p], n0:min(n0 + 16 * TASKS, H)] = 0
-            continue
-        pr = [int(flat[p0 + c]) if p0 + c < p_end else -1 for c in range(NT)]
         acc = np.zeros((TASKS, GROUPS, 32, 4))
         for s0 in range(0, NS, KT):
             hhi, hlo = stage_tile(f, hf_, pr, s0, XW, I)
