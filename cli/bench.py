@@ -39,15 +39,16 @@ CASES = [
     *((f"dequant_{f}", {"K": 5120}, [34816]) for f in ("q4", "q5", "q6", "w8", "fp8")),
     ("dequant_q4", {"K": 17408}, [5120]),
     ("gdn_delta_rule", {"HV": 48, "DK": 128, "DV": 128}, [1, 8, 31, 32, 1024]),   # one sequence of T tokens
-    ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 2, 4, 8]),   # T sequences at ATTN_CONTEXT
+    # T <= 64: T sequences at ATTN_CONTEXT (decode); 4096: the second chunk of an 8K prompt (prefill)
+    ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 2, 4, 8, 4096]),
+    ("paged_attention", {"NH": 16, "NKV": 2, "D": 256, "BS": 16}, [1, 2, 4096]),
     # the routed experts of a 35B-A3B MoE layer: the single op, and its split decode form (gate_up, then down)
     *((op, MOE_35B, [1, 2, 4, 8, 16, 32, 64]) for op in ("moe_gate_up_q4", "moe_down_q4")),
     ("moe_experts_q4", MOE_35B, [1, 2, 4, 8, 16, 32, 64, 256, 1024]),
     *((op, MOE_35B, [1, 8]) for op in ("moe_experts_q4_q5", "moe_down_q5")),
-    # routing at decode: router and top-k as two launches, and as one (moe_route)
-    ("moe_router", {"E": 256, "H": 2048}, [1, 8, 1024, 4096]),
+    # routing: the GEMV routes at decode, wgmma from a few tokens on
+    ("moe_router", {"E": 256, "H": 2048}, [1, 2, 4, 8, 64, 1024, 2048, 4096]),
     ("moe_topk", {"E": 256, "K": 8}, [1, 8]),
-    ("moe_route", {"E": 256, "H": 2048, "K": 8}, [1, 8]),
     # the prefill form: pairs sorted by expert, grouped GEMMs, slot sum
     *((op, MOE_35B, [64, 256, 1024, 4096]) for op in ("moe_align", "moe_gate_up_grouped_q4", "moe_down_grouped_q4",
                                                        "moe_sum")),
@@ -97,7 +98,9 @@ def _time_graph(torch, plans, reps: int, launches: int = 20) -> float:
 OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5}}
 
 
-def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
+def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None, routes: tuple[str, ...] = ()) -> None:
+    import fnmatch
+
     import torch
 
     from ninfer.runtime.dispatch import CudaBackend
@@ -118,7 +121,8 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None) -> None:
         contract = be.contract(op)
         for T in Ts:
             dims = {"T": T, **problem}
-            instances = sorted({k.instance for k in be.manifest.kernels.values() if k.op == op and k.arch == dev.arch})
+            instances = sorted({k.instance for k in be.manifest.kernels.values() if k.op == op and k.arch == dev.arch
+                                and (not routes or any(fnmatch.fnmatch(k.instance, r) for r in routes))})
             chosen = be.select(op, "bf16", dims).instance
             sets = None
             for inst in instances:
@@ -158,15 +162,17 @@ def main() -> None:
 
 @main.command("ops")
 @click.option("--op", "ops", multiple=True, help="only these ops (repeatable)")
+@click.option("--route", "routes", multiple=True, help="only route instances matching this pattern, e.g. 'prefill*' "
+              "(repeatable)")
 @click.option("--reps", default=30, show_default=True)
 @click.option("--json", "json_out", type=click.Path(), help="also write the rows to this JSON file")
-def ops_cmd(ops, reps, json_out) -> None:
+def ops_cmd(ops, routes, reps, json_out) -> None:
     """Time each route of each op at the 27B shapes (events, warm-up, median)."""
     from ninfer.runtime.cuda import gpu_available
     if not gpu_available():
         click.echo("ninfer-bench ops: needs a CUDA GPU (none found)", err=True)
         sys.exit(2)
-    bench_ops(ops, reps, json_out)
+    bench_ops(ops, reps, json_out, routes)
 
 
 def model_figures(cfg, n_prompt_tokens: int, fmt: str = "bf16") -> dict:

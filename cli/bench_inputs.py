@@ -4,6 +4,7 @@ and the bytes and FLOPs the op must move and do (the roofline of each figure).""
 from __future__ import annotations
 
 ATTN_CONTEXT = 8192
+ATTN_DECODE_MAX_T = 64   # paged_attention inputs: up to this T a decode step of T sequences, above it a prefill chunk
 GDN_K_HEADS = 16
 L2_BYTES = 60 << 20
 
@@ -52,9 +53,12 @@ def op_bytes(op, tensors, dims) -> int:
 
 
 def op_flops(op: str, T: int, problem: dict) -> int:
-    """Multiply-add FLOPs of a linear or expert op (0 for the others)."""
+    """Multiply-add FLOPs of a linear, expert or attention op (0 for the others)."""
     if op.startswith("linear"):
         return 2 * T * problem["N"] * problem["K"]
+    if op == "paged_attention":   # Q.K and P.V over the keys each query sees (_make_attention's positions)
+        keys = T * ATTN_CONTEXT if T <= ATTN_DECODE_MAX_T else sum(range(ATTN_CONTEXT - T + 1, ATTN_CONTEXT + 1))
+        return 4 * keys * problem["NH"] * problem["D"]
     if is_expert_op(op) and op not in ("moe_align", "moe_sum"):
         gfmt, dfmt = _moe_formats(op)
         per_pair = (2 * problem["I"] * problem["H"] if gfmt else 0) + (problem["H"] * problem["I"] if dfmt else 0)
@@ -80,8 +84,8 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
     if packed:
         dims["WB"] = nbytes(packed, (dims["N"], dims["K"]))
 
-    ts = {}   # int32 tensors without a V dim are zeros: moe_route's finish counter must start at 0
-    for name, spec in {**contract["inputs"], **contract["outputs"], **contract["states"]}.items():
+    ts = {}
+    for name, spec in {**contract["inputs"], **contract["outputs"]}.items():
         dt = TORCH_DTYPES[dtype if spec["dtype"] == "$dtype" else spec["dtype"]]
         if dt == torch.uint8:
             ts[name] = random_packed(packed, (dims["N"], dims["K"]), rng.device, rng, dims["K"] ** -0.5).data
@@ -105,16 +109,20 @@ def _make_gdn(torch, dims, rng):
 
 
 def _make_attention(torch, dims, rng):
-    """A decode step: T sequences of ATTN_CONTEXT tokens each, one query token per sequence, every page of
-    the cache belonging to one of them (so the cache's bytes are the bytes the step must read)."""
+    """T <= ATTN_DECODE_MAX_T: a decode step, T sequences of ATTN_CONTEXT tokens each, one query token per sequence.
+    Larger T: a prefill chunk, the last T tokens of one ATTN_CONTEXT-token prompt. Every page of the cache belongs to
+    a sequence (so the cache's bytes are the bytes the launch must read)."""
     T, nh, nkv, d, bs = dims["T"], dims["NH"], dims["NKV"], dims["D"], dims["BS"]
-    mb = ATTN_CONTEXT // bs
+    decode = T <= ATTN_DECODE_MAX_T
+    seqs, mb = (T if decode else 1), ATTN_CONTEXT // bs
     dev = "cuda"
-    cache = lambda: torch.randn(T * mb, bs, nkv, d, device=dev, generator=rng).bfloat16()  # noqa: E731
+    cache = lambda: torch.randn(seqs * mb, bs, nkv, d, device=dev, generator=rng).bfloat16()  # noqa: E731
     return {"q": torch.randn(T, nh, d, device=dev, generator=rng).bfloat16(), "k_cache": cache(), "v_cache": cache(),
-            "block_table": torch.randperm(T * mb, device=dev, generator=rng).int().view(T, mb),
-            "token_seq": torch.arange(T, dtype=torch.int32, device=dev),
-            "positions": torch.full((T,), ATTN_CONTEXT - 1, dtype=torch.int32, device=dev),
+            "block_table": torch.randperm(seqs * mb, device=dev, generator=rng).int().view(seqs, mb),
+            "token_seq": (torch.arange(T, dtype=torch.int32, device=dev) if decode
+                          else torch.zeros(T, dtype=torch.int32, device=dev)),
+            "positions": (torch.full((T,), ATTN_CONTEXT - 1, dtype=torch.int32, device=dev) if decode
+                          else torch.arange(ATTN_CONTEXT - T, ATTN_CONTEXT, dtype=torch.int32, device=dev)),
             "o": torch.empty(T, nh, d, device=dev, dtype=torch.bfloat16)}
 
 

@@ -179,12 +179,6 @@ def moe_topk(logits, renormalize, dims):
     return {"weights": w, "ids": order.to(torch.int32)}
 
 
-def moe_route(x, w, done, renormalize, dims):
-    """moe_router then moe_topk; the finish counter stays 0."""
-    logits = moe_router(x, w)["logits"]
-    return {"logits": logits, **moe_topk(logits, renormalize, dims), "done": torch.zeros_like(done)}
-
-
 def moe_experts(x, gate_up, down, weights, ids):
     inter = down.shape[2]
     y = torch.zeros_like(x)
@@ -289,5 +283,5 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
 
 REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
                                       attn_qk_prep, kv_cache_write, paged_attention, gdn_conv, gdn_gates,
-                                      gdn_delta_rule, gdn_gated_norm, gdn_decode, moe_router, moe_topk, moe_route, moe_experts, moe_align, moe_sum,
+                                      gdn_delta_rule, gdn_gated_norm, gdn_decode, moe_router, moe_topk, moe_experts, moe_align, moe_sum,
                                       sigmoid_gate_add, argmax, sample)}

@@ -65,13 +65,10 @@ MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", 65)
 
 
 # The shared expert on a second CUDA stream beside the router and routed experts: a fork and a join, which a decode
-# graph captures as two parallel branches, so the shared expert's four small launches leave the step's critical
-# path (35B-A3B decode is launch-latency bound: ~600 launches, 2.85 ms per step on the H200). Written without
-# device time left to measure it (PERF_NOTES.md, session 9): off until the H200 A/B; NINFER_MOE_SHARED_STREAM=1.
-MOE_SHARED_STREAM = os.environ.get("NINFER_MOE_SHARED_STREAM", "0") == "1"
-# Router and top-k in one launch (moe_route) up to this many tokens, the two ops above it. Written in the same
-# session, also off until measured: NINFER_MOE_ROUTE_MAX_T=8 (decode batches) turns it on.
-MOE_ROUTE_MAX_T = _env_tokens("NINFER_MOE_ROUTE_MAX_T", 0) or 0
+# graph captures as two parallel branches. H200, 35B-A3B q4, 8K context (PERF_NOTES.md, session 10): decode C=1
+# 355.5 -> 359.3 tok/s, C=8 1,384.7 -> 1,425.7 (a small gain, about the run-to-run spread; never a loss).
+# NINFER_MOE_SHARED_STREAM=0 turns it off.
+MOE_SHARED_STREAM = os.environ.get("NINFER_MOE_SHARED_STREAM", "1") == "1"
 _SIDE_STREAMS: dict = {}
 
 
@@ -243,7 +240,6 @@ class SparseMoE:
         self.router, self.gate_up, self.down = w[p + "router"], w[p + "experts.gate_up"], w[p + "experts.down"]
         self.shared = DenseMLP(w, p + "shared.")
         self.shared_gate = w[p + "shared.gate"]
-        self.route_done = torch.zeros(1, dtype=torch.int32, device=self.router.device)   # moe_route's counter
         if isinstance(self.gate_up, PackedWeight) != isinstance(self.down, PackedWeight):
             raise ValueError(f"{p}experts: gate_up and down must both be packed or both float formats")
 
@@ -258,12 +254,8 @@ class SparseMoE:
         logits = new(x, T, self.router.shape[0], dtype=torch.float32)  # fp32: bf16 logits flip near-tie top-k
         weights = new(x, T, c.experts_per_token, dtype=torch.float32)
         ids = new(x, T, c.experts_per_token, dtype=torch.int32)
-        if T <= MOE_ROUTE_MAX_T:
-            be.run("moe_route", x=x, w=self.router, logits=logits, weights=weights, ids=ids, done=self.route_done,
-                   renormalize=int(c.renormalize_topk))
-        else:
-            be.run("moe_router", x=x, w=self.router, logits=logits)
-            be.run("moe_topk", logits=logits, weights=weights, ids=ids, renormalize=int(c.renormalize_topk))
+        be.run("moe_router", x=x, w=self.router, logits=logits)
+        be.run("moe_topk", logits=logits, weights=weights, ids=ids, renormalize=int(c.renormalize_topk))
         y = torch.empty_like(x)
         if isinstance(self.gate_up, PackedWeight):
             self.packed_experts(be, x, weights, ids, y)

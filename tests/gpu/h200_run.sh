@@ -3,8 +3,8 @@
 # The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
-#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab decode-ab chunk-ab" (default: tests bench-27b bench-35b)
-#   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), BENCH_OPS="linear_q4 ..." (default: all)
+#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab chunk-ab" (default: tests bench-27b bench-35b)
+#   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
 ROOT=$(pwd)
@@ -30,7 +30,7 @@ for stage in $STAGES; do
     tune)  # ninfer-tune, then regenerate so the later stages run on the new tables; the file comes back in the logs
       timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.tune ${TUNE:---shape qwen3.6-27b --weights q4 --op linear_q4} > "$OUT/tune.log" 2>&1
       tail -3 "$OUT/tune.log"; cp specs/tuned/*.yaml "$OUT/"; $PY -m ninfer.codegen > /dev/null ;;
-    bench-ops) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench ops $(for o in ${BENCH_OPS:-}; do echo --op $o; done) --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
+    bench-ops) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench ops $(for o in ${BENCH_OPS:-}; do echo --op $o; done) $(for r in ${BENCH_ROUTES:-}; do echo --route $r; done) --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
     bench-27b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b ${BENCH27:-} --json "$OUT/bench-27b.json" 2>&1 | tee "$OUT/bench-27b.log" ;;
     bench-27b-bf16) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b --weights bf16 ${BENCH27_BF16:-} --json "$OUT/bench-27b-bf16.json" 2>&1 | tee "$OUT/bench-27b-bf16.log" ;;
     bench-serve) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench serve --resources-from .carry/demo/demo.ninfer --workdir /tmp/ninfer-bench ${BENCH_SERVE:-} --json "$OUT/bench-serve.json" 2>"$OUT/bench-serve.err" | tee "$OUT/bench-serve.log"; tail -5 "$OUT/bench-serve.err" ;;
@@ -41,11 +41,6 @@ for stage in $STAGES; do
       for form in "off off" "16 off" "16 17"; do set -- $form
         NINFER_MOE_SPLIT_MAX_T=$1 NINFER_MOE_GROUPED_MIN_T=$2 timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model \
           --shape qwen3.6-35b-a3b --weights q4 ${BENCH35:-} --json "$OUT/moe-ab-$1-$2.json" 2>&1 | tee "$OUT/moe-ab-$1-$2.log"
-      done ;;
-    decode-ab)  # the 35B-A3B q4 model: shared expert inline / on its own stream x router + top-k as two ops / one
-      for form in "0 0" "1 0" "0 8" "1 8"; do set -- $form
-        NINFER_MOE_SHARED_STREAM=$1 NINFER_MOE_ROUTE_MAX_T=$2 timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model \
-          --shape qwen3.6-35b-a3b --weights q4 ${BENCH35:-} --json "$OUT/decode-ab-$1-$2.json" 2>&1 | tee "$OUT/decode-ab-$1-$2.log"
       done ;;
     chunk-ab)  # 27B q4 prefill with prefill chunks of 1024, 4096 and 8192 tokens
       for chunk in 1024 4096 8192; do

@@ -1,4 +1,4 @@
-"""The MoE ops on the GPU (moe_router, moe_topk, moe_route, moe_experts, sigmoid_gate_add) against the reference backend run
+"""The MoE ops on the GPU (moe_router, moe_topk, moe_experts, sigmoid_gate_add) against the reference backend run
 on cloned GPU tensors (fp32 math), with each contract's named tolerance; route tables at every span boundary, every
 route instance called by name, the Qwen3.6-35B-A3B / Qwen3-Next / tiny shapes, ties, repeated experts, aliasing,
 and the SparseMoE chain captured in a CUDA graph. Skips cleanly without a GPU (the conftest marks `gpu` tests)."""
@@ -177,67 +177,6 @@ def test_topk_every_route(be, ref):
                 if admissible(be, "moe_topk", inst, {"T": T, "E": E, "K": K}):
                     logits = torch.randn(T, E, device="cuda", generator=gen(7 * T + E))
                     assert topk_case(be, ref, T, E, K, 1, logits, route=inst) == inst
-
-
-# --------------------------------------------------------------------------------------------------- moe_route
-# (E, H, K): as the router shapes, with each model's K
-ROUTE_SHAPES = [(256, 2048, 8), (512, 2048, 10), (8, 256, 2), (10, 72, 3)]
-
-
-def route_plan(be, T, E, H, K, renormalize, seed, route=None):
-    """A moe_route launch on random x, w with poisoned outputs and the counter at 0: (plan, x, w, outputs, done)."""
-    g = gen(seed)
-    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(E, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
-    done = torch.zeros(1, dtype=torch.int32, device="cuda")
-    got = {"logits": nan_like((T, E), torch.float32), "weights": nan_like((T, K), torch.float32),
-           "ids": nan_like((T, K), torch.int32)}
-    return be.plan("moe_route", route=route, x=x, w=w, **got, done=done, renormalize=renormalize), x, w, got, done
-
-
-def route_case(be, ref, T, E, H, K, renormalize, seed, route=None):
-    """moe_route against the reference moe_router (logits) and moe_topk over the kernel's own logits (ids exactly,
-    weights within bf16_reduction: a near-tie is decided on the same fp32 values); the counter back at 0."""
-    plan, x, w, got, done = route_plan(be, T, E, H, K, renormalize, seed, route)
-    plan()
-    torch.cuda.synchronize()
-    check_route(be, ref, x, w, got, done, renormalize, f"moe_route T={T} E={E} H={H} K={K} renorm={renormalize} "
-                f"via {plan.kernel.instance}")
-    return plan.kernel.instance
-
-
-def check_route(be, ref, x, w, got, done, renormalize, what):
-    want = {k: nan_like(v.shape, v.dtype) for k, v in got.items()}
-    ref.run("moe_router", x=x.clone(), w=w.clone(), logits=want["logits"])
-    ref.run("moe_topk", logits=got["logits"].clone(), weights=want["weights"], ids=want["ids"], renormalize=renormalize)
-    check_outputs(be, "moe_router", {"logits": got["logits"]}, want, what)
-    check_outputs(be, "moe_topk", got, want, what)
-    assert int(done.item()) == 0, f"{what}: the finish counter is {int(done.item())} after the launch"
-
-
-@pytest.mark.parametrize("E,H,K", ROUTE_SHAPES)
-def test_route_every_route(be, ref, E, H, K):
-    """Every instance at decode sizes and past them (several token groups: more blocks count in), both
-    renormalisations, the table's choice too."""
-    for inst in [None, *instances(be, "moe_route")]:
-        for T in (1, 2, 7, 8, 9, 33, 300):
-            for renormalize in (1, 0):
-                if inst is None or admissible(be, "moe_route", inst, {"T": T, "E": E, "H": H, "K": K}):
-                    got = route_case(be, ref, T, E, H, K, renormalize, seed=11 * T + E + K, route=inst)
-                    assert inst is None or got == inst
-
-
-def test_route_in_cuda_graph(be, ref):
-    """Graph replays on new x: each replay finds the counter at 0 (the last block resets it) and routes anew."""
-    E, H, K = 256, 2048, 8
-    for T in (1, 8):
-        plan, x, w, got, done = route_plan(be, T, E, H, K, 1, seed=700 + T)
-        graph = capture(plan)
-        for i in range(3):
-            x.copy_(torch.randn(T, H, device="cuda", generator=gen(710 + 10 * T + i)).bfloat16())
-            graph.replay()
-            torch.cuda.synchronize()
-            check_route(be, ref, x, w, got, done, 1, f"moe_route graph T={T} replay {i}")
 
 
 # -------------------------------------------------------------------------------------------------- moe_experts

@@ -101,24 +101,3 @@ def test_the_split_and_grouped_moe_forms_compute_the_single_op(tmp_path, monkeyp
         assert not any(op.startswith("moe_experts") for op in expert_ops)
     finally:
         eng.close()
-
-
-@pytest.mark.parametrize("route_max_t", [8, 64])
-def test_moe_route_gives_the_model_of_router_and_topk(tmp_path, monkeypatch, route_max_t):
-    """Router and top-k in one op (moe_route, up to MOE_ROUTE_MAX_T tokens: the decode steps, and with 64 the
-    prompt too) give the same logits and greedy tokens as the two ops."""
-    from ninfer.runtime.models import blocks
-    eng = moe_engine(tmp_path, None)
-    try:
-        ids = list(range(3, 40, 2))
-        calls = record_ops(monkeypatch, eng)
-        monkeypatch.setattr(blocks, "MOE_ROUTE_MAX_T", 0)
-        two_ops = eng.score(ids), eng.generate([ids[:7]], max_new=8)[0].generated
-        assert "moe_route" not in calls
-        calls.clear()
-        monkeypatch.setattr(blocks, "MOE_ROUTE_MAX_T", route_max_t)
-        assert torch.equal(eng.score(ids), two_ops[0])
-        assert eng.generate([ids[:7]], max_new=8)[0].generated == two_ops[1]
-        assert "moe_route" in calls and ("moe_topk" in calls) == (route_max_t < len(ids))
-    finally:
-        eng.close()

@@ -73,15 +73,3 @@ def test_router_and_norm_inputs_are_plain_tensors():
         ts = make_inputs(torch, be.contract(op), "bf16", dict(dims), torch.Generator().manual_seed(0), op)
         assert set(ts) == set(be.contract(op)["inputs"]) | set(be.contract(op)["outputs"])
         be.run(op, **ts)
-
-
-def test_route_inputs_start_the_counter_at_zero_and_run():
-    """moe_route's generic inputs: random x, w; its finish counter (a state) zero, as the kernel requires."""
-    be = ReferenceBackend()
-    rng = torch.Generator().manual_seed(5)
-    contract = be.contract("moe_route")
-    ts = make_inputs(torch, contract, "bf16", {"T": 3, "E": 16, "H": 64, "K": 4}, rng, "moe_route")
-    assert set(ts) == {*contract["inputs"], *contract["outputs"], *contract["states"]}
-    assert int(ts["done"]) == 0 and ts["x"].std() > 0.5
-    be.run("moe_route", **ts)
-    assert ts["ids"].shape == (3, 4) and int(ts["done"]) == 0

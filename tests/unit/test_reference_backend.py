@@ -103,21 +103,6 @@ def test_moe_router_logits_are_fp32_and_moe_topk_reads_them(be):
         be.run("moe_topk", logits=logits.bfloat16(), weights=weights, ids=ids)
 
 
-def test_moe_route_is_the_router_then_topk(be):
-    """moe_route's outputs are moe_router's logits and moe_topk's choice over them; its counter stays 0."""
-    g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(6, 72, generator=g).bfloat16(), (torch.randn(10, 72, generator=g) * 72 ** -0.5).bfloat16()
-    done = torch.zeros(1, dtype=torch.int32)
-    got = {"logits": torch.full((6, 10), float("nan")), "weights": torch.empty(6, 3), "ids": torch.empty(6, 3, dtype=torch.int32)}
-    be.run("moe_route", x=x, w=w, **got, done=done, renormalize=0)
-    want = {"logits": torch.empty(6, 10), "weights": torch.empty(6, 3), "ids": torch.empty(6, 3, dtype=torch.int32)}
-    be.run("moe_router", x=x, w=w, logits=want["logits"])
-    be.run("moe_topk", logits=want["logits"], weights=want["weights"], ids=want["ids"], renormalize=0)
-    assert all(torch.equal(got[k], want[k]) for k in want) and int(done) == 0
-    with pytest.raises(ContractError, match="moe_route: argument done"):
-        be.run("moe_route", x=x, w=w, **got, done=torch.zeros(2, dtype=torch.int32))
-
-
 @pytest.mark.parametrize("fmt", ["q4", "q6", "fp8"])
 def test_moe_split_halves_compose_to_moe_experts(be, fmt):
     """moe_gate_up_<fmt> then moe_down_<fmt> (the decode form) computes moe_experts_<fmt>; a slot whose id is
