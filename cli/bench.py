@@ -42,6 +42,10 @@ CASES = [
     # T <= 64: T sequences at ATTN_CONTEXT (decode); 4096: the second chunk of an 8K prompt (prefill)
     ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 2, 4, 8, 4096]),
     ("paged_attention", {"NH": 16, "NKV": 2, "D": 256, "BS": 16}, [1, 2, 4096]),
+    # flash decoding: the split partials at a few split counts, then their merge (times the output gate)
+    *(("paged_attention_split", {"NH": nh, "NKV": nkv, "D": 256, "BS": 16, "KS": ks}, [1, 2, 4, 8])
+      for nh, nkv in ((24, 4), (16, 2)) for ks in (8, 16, 32, 64)),
+    *(("merge_attn_states", {"NH": 24, "D": 256, "KS": ks}, [1, 8]) for ks in (8, 16, 32, 64)),
     # the routed experts of a 35B-A3B MoE layer: the single op, and its split decode form (gate_up, then down)
     *((op, MOE_35B, [1, 2, 4, 8, 16, 32, 64]) for op in ("moe_gate_up_q4", "moe_down_q4")),
     ("moe_experts_q4", MOE_35B, [1, 2, 4, 8, 16, 32, 64, 256, 1024]),
@@ -95,7 +99,8 @@ def _time_graph(torch, plans, reps: int, launches: int = 20) -> float:
     return _time(torch, capture(launch_all, warm_each).replay, reps) / launches
 
 
-OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5}}
+OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5},
+             "paged_attention_split": {"scale": 256 ** -0.5}}
 
 
 def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None, routes: tuple[str, ...] = ()) -> None:

@@ -56,7 +56,7 @@ def op_flops(op: str, T: int, problem: dict) -> int:
     """Multiply-add FLOPs of a linear, expert or attention op (0 for the others)."""
     if op.startswith("linear"):
         return 2 * T * problem["N"] * problem["K"]
-    if op == "paged_attention":   # Q.K and P.V over the keys each query sees (_make_attention's positions)
+    if op in ("paged_attention", "paged_attention_split"):   # Q.K and P.V over the keys each query sees
         keys = T * ATTN_CONTEXT if T <= ATTN_DECODE_MAX_T else sum(range(ATTN_CONTEXT - T + 1, ATTN_CONTEXT + 1))
         return 4 * keys * problem["NH"] * problem["D"]
     if is_expert_op(op) and op not in ("moe_align", "moe_sum"):
@@ -74,8 +74,8 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
 
     if op == "gdn_delta_rule":
         return _make_gdn(torch, dims, rng)
-    if op == "paged_attention":
-        return _make_attention(torch, dims, rng)
+    if op in ("paged_attention", "paged_attention_split"):
+        return _make_attention(torch, dims, rng, op)
     if is_expert_op(op):
         return _make_moe(torch, contract, op, dims, rng)
     packed = op.split("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
@@ -108,10 +108,11 @@ def _make_gdn(torch, dims, rng):
             "o": torch.empty(T, hv, dv, device=dev, dtype=torch.bfloat16)}
 
 
-def _make_attention(torch, dims, rng):
+def _make_attention(torch, dims, rng, op):
     """T <= ATTN_DECODE_MAX_T: a decode step, T sequences of ATTN_CONTEXT tokens each, one query token per sequence.
     Larger T: a prefill chunk, the last T tokens of one ATTN_CONTEXT-token prompt. Every page of the cache belongs to
-    a sequence (so the cache's bytes are the bytes the launch must read)."""
+    a sequence (so the cache's bytes are the bytes the launch must read). paged_attention_split writes KS partials
+    per (token, head) instead of o."""
     T, nh, nkv, d, bs = dims["T"], dims["NH"], dims["NKV"], dims["D"], dims["BS"]
     decode = T <= ATTN_DECODE_MAX_T
     seqs, mb = (T if decode else 1), ATTN_CONTEXT // bs
@@ -123,7 +124,9 @@ def _make_attention(torch, dims, rng):
                           else torch.zeros(T, dtype=torch.int32, device=dev)),
             "positions": (torch.full((T,), ATTN_CONTEXT - 1, dtype=torch.int32, device=dev) if decode
                           else torch.arange(ATTN_CONTEXT - T, ATTN_CONTEXT, dtype=torch.int32, device=dev)),
-            "o": torch.empty(T, nh, d, device=dev, dtype=torch.bfloat16)}
+            **({"o": torch.empty(T, nh, d, device=dev, dtype=torch.bfloat16)} if op == "paged_attention" else
+               {"part_o": torch.empty(T, nh, dims["KS"], d, device=dev), "m": torch.empty(T, nh, dims["KS"], device=dev),
+                "l": torch.empty(T, nh, dims["KS"], device=dev)})}
 
 
 def _moe_formats(op: str) -> tuple[str | None, str | None]:

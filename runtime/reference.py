@@ -97,6 +97,39 @@ def paged_attention(q, k_cache, v_cache, block_table, token_seq, positions, scal
     return {"o": out}
 
 
+def paged_attention_split(q, k_cache, v_cache, block_table, token_seq, positions, scale, dims):
+    T, nh, d = q.shape
+    bs, nkv = k_cache.shape[1], k_cache.shape[2]
+    ks, log2e = dims["KS"], 1.4426950408889634
+    part_o = q.new_zeros(T, nh, ks, d, dtype=torch.float32)
+    m = q.new_full((T, nh, ks), float("-inf"), dtype=torch.float32)
+    l = q.new_zeros(T, nh, ks, dtype=torch.float32)
+    for t in range(T):
+        n = min(int(positions[t]) + 1, block_table.shape[1] * bs)
+        pages = block_table[int(token_seq[t]), : (n + bs - 1) // bs].long()
+        K = k_cache[pages].reshape(-1, nkv, d)[:n].float().repeat_interleave(nh // nkv, dim=1)   # [n, nh, d]
+        V = v_cache[pages].reshape(-1, nkv, d)[:n].float().repeat_interleave(nh // nkv, dim=1)
+        x = torch.einsum("hd,nhd->hn", q[t].float(), K) * (scale * log2e)                        # [nh, n]
+        chunks = (n + 15) // 16
+        ends = torch.tensor([16 * (chunks * (i + 1) // ks) for i in range(ks)], device=q.device)
+        split = torch.searchsorted(ends, torch.arange(n, device=q.device), right=True)           # each key's split
+        mine = split[None, :] == torch.arange(ks, device=q.device)[:, None]                      # [ks, n]
+        xs = x[None].masked_fill(~mine[:, None, :], float("-inf"))                               # [ks, nh, n]
+        mx = xs.max(-1).values                                                                   # [ks, nh]
+        w = torch.exp2(xs - mx.clamp(min=-3e38)[..., None])   # 0 for keys of other splits (and empty splits)
+        sw = w.sum(-1)
+        po = torch.einsum("shn,nhd->shd", w, V) / sw.clamp(min=1e-30)[..., None]
+        m[t], l[t], part_o[t] = mx.T, sw.T, po.transpose(0, 1)
+    return {"part_o": part_o, "m": m, "l": l}
+
+
+def merge_attn_states(part_o, m, l, gate):
+    M = m.max(-1, keepdim=True).values
+    w = torch.where(m == float("-inf"), torch.zeros_like(l), l * torch.exp2(m - M))
+    merged = (w[..., None] * part_o).sum(2) / w.sum(-1)[..., None]
+    return {"o": (merged * torch.sigmoid(gate.float())).to(gate.dtype)}
+
+
 def _sequences(query_start, slots):
     qs = query_start.tolist()
     return [(qs[i], qs[i + 1], int(slots[i])) for i in range(len(qs) - 1)]
@@ -282,6 +315,7 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
 
 
 REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
-                                      attn_qk_prep, kv_cache_write, paged_attention, gdn_conv, gdn_gates,
+                                      attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split,
+                                      merge_attn_states, gdn_conv, gdn_gates,
                                       gdn_delta_rule, gdn_gated_norm, gdn_decode, moe_router, moe_topk, moe_experts, moe_align, moe_sum,
                                       sigmoid_gate_add, argmax, sample)}

@@ -64,6 +64,23 @@ MOE_SPLIT_MAX_T = _env_tokens("NINFER_MOE_SPLIT_MAX_T", 64) or 0
 MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", 65)
 
 
+# Attention of steps up to ATTN_SPLIT_MAX_T tokens (decode batches) as flash decoding: paged_attention_split cuts each
+# token's keys into attn_splits(T, kv heads) splits, one block each, and merge_attn_states combines them (and applies
+# the output gate), where paged_attention ran one cluster of 8 blocks per (token, kv head): 16 (35B-A3B) to 64 SMs
+# busy. H200, q4, 8K context (PERF_NOTES.md, session 10), with up to 256 blocks per step: 35B-A3B decode C=1 354.8 ->
+# 380.9 tok/s, C=8 1,446 -> 1,540; 27B C=1 158.1 -> 158.7, C=8 648.5 -> 660.8. The split op and the merge timed
+# alone then gave attn_splits' fewer, longer splits (the merge costs ~0.26 us per split at T = 1); that choice is
+# not yet timed in the whole model. NINFER_ATTN_SPLIT_MAX_T=off turns it off.
+ATTN_SPLIT_MAX_T = _env_tokens("NINFER_ATTN_SPLIT_MAX_T", 8) or 0
+ATTN_SPLIT_BLOCKS = 128   # blocks per step to aim for (27B: 32 splits at T = 1 ... 8 at T = 4, 8)
+
+
+def attn_splits(T: int, kv_heads: int) -> int:
+    """Splits per token: the power of two at or below ATTN_SPLIT_BLOCKS / (T * kv_heads), clamped to 8..32."""
+    ks = max(1, ATTN_SPLIT_BLOCKS // (T * kv_heads))
+    return min(32, max(8, 1 << (ks.bit_length() - 1)))
+
+
 # The shared expert on a second CUDA stream beside the router and routed experts: a fork and a join, which a decode
 # graph captures as two parallel branches. H200, 35B-A3B q4, 8K context (PERF_NOTES.md, session 10): decode C=1
 # 355.5 -> 359.3 tok/s, C=8 1,384.7 -> 1,425.7 (a small gain, about the run-to-run spread; never a loss).
@@ -140,9 +157,17 @@ class GatedAttention:
                q=q, gate=gate, k=k, v=v, theta=c.rope_theta, rotary_dim=c.rotary_dim, eps=c.eps)
         be.run("kv_cache_write", k=k, v=v, slot_mapping=step.slot_mapping, k_cache=self.k_cache, v_cache=self.v_cache)
         o = torch.empty_like(q)
-        be.run("paged_attention", q=q, k_cache=self.k_cache, v_cache=self.v_cache, block_table=step.block_table,
-               token_seq=step.token_seq, positions=step.positions, o=o, scale=c.head_dim ** -0.5)
-        be.run("sigmoid_mul", x=o.view(T, -1), g=gate.view(T, -1), y=o.view(T, -1))
+        cache = dict(q=q, k_cache=self.k_cache, v_cache=self.v_cache, block_table=step.block_table,
+                     token_seq=step.token_seq, positions=step.positions, scale=c.head_dim ** -0.5)
+        if T <= ATTN_SPLIT_MAX_T:   # flash decoding: many blocks per token, then the merge (with the output gate)
+            ks = attn_splits(T, c.kv_heads)
+            part_o = new(x, T, c.heads, ks, c.head_dim, dtype=torch.float32)
+            m, l = new(x, T, c.heads, ks, dtype=torch.float32), new(x, T, c.heads, ks, dtype=torch.float32)
+            be.run("paged_attention_split", **cache, part_o=part_o, m=m, l=l)
+            be.run("merge_attn_states", part_o=part_o, m=m, l=l, gate=gate, o=o)
+        else:
+            be.run("paged_attention", **cache, o=o)
+            be.run("sigmoid_mul", x=o.view(T, -1), g=gate.view(T, -1), y=o.view(T, -1))
         return linear(be, o.view(T, -1), self.o)
 
 

@@ -4,7 +4,7 @@
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
 #   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab chunk-ab" (default: tests bench-27b bench-35b)
-#   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all)
+#   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
 ROOT=$(pwd)
@@ -19,7 +19,7 @@ $PY -m ninfer.runtime.build --archs sm_90a 2>&1 | tail -2 | tee "$OUT/build.log"
 run_tests() {  # each file in its own process: a faulting kernel must not hide the other results
   for f in ${TESTS:-tests/gpu/test_*_gpu.py}; do
     name=$(basename "$f" .py)
-    timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -m gpu "$f" -p no:cacheprovider --maxfail=30 --timeout=300 --timeout-method=thread \
+    timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -m gpu "$f" -p no:cacheprovider --maxfail=30 --timeout=300 --timeout-method=thread ${TEST_K:+-k "$TEST_K"} \
       > "$OUT/$name.log" 2>&1
     echo "$name: $(tail -1 "$OUT/$name.log")"
   done | tee "$OUT/tests-summary.log"

@@ -1,5 +1,6 @@
-"""Gated-attention kernels on the GPU (attn_qk_prep, kv_cache_write, paged_attention) against the reference
-backend run on cloned GPU tensors (fp32 math), compared with each contract's named tolerance.
+"""Gated-attention kernels on the GPU (attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split,
+merge_attn_states) against the reference backend run on cloned GPU tensors (fp32 math), compared with each
+contract's named tolerance.
 
 paged_attention cases are built like the engine's steps (pages of a shared pool in shuffled order, block
 tables padded with a spare page), with two traps: every cache slot no sequence has written, and the pad
@@ -189,17 +190,17 @@ ROUTE_SCENARIOS = {
 }
 
 
-def route_cases():
-    """Every route instance on every problem its constraints admit (e.g. decode_cluster_dfix: D == 256 only)."""
+def admitted(op):
+    """(route instance, problem) for every route instance of op and every problem its constraints admit (e.g.
+    the dfix routes: D == 256 only)."""
     from ninfer.runtime.manifest import evaluate
-    kernels = {k.instance: k for k in gpu_kernels({"paged_attention"})}
-    out = []
-    for inst in sorted(kernels):
-        for problem in (REAL_27B, REAL_35B, TINY, PAGE32, PAGE5):
-            env = dict(zip(("NH", "NKV", "D", "BS"), problem), T=1)
-            if all(evaluate(c, env) for c in kernels[inst].constraints):
-                out.extend((inst, problem, name) for name in ROUTE_SCENARIOS)
-    return out
+    kernels = {k.instance: k for k in gpu_kernels({op})}
+    return [(inst, problem) for inst in sorted(kernels) for problem in (REAL_27B, REAL_35B, TINY, PAGE32, PAGE5)
+            if all(evaluate(c, dict(zip(("NH", "NKV", "D", "BS"), problem), T=1)) for c in kernels[inst].constraints)]
+
+
+def route_cases():
+    return [(inst, problem, name) for inst, problem in admitted("paged_attention") for name in ROUTE_SCENARIOS]
 
 
 @pytest.mark.parametrize("route,problem,scenario", route_cases(), ids=str)
@@ -233,6 +234,79 @@ def test_paged_attention_bad_head_dim(be):
     with pytest.raises(RouteError, match=r"requires D <= 256, which fails for .*D=272"):
         be.plan("paged_attention", q=q, k_cache=kv, v_cache=kv.clone(), block_table=i32([[0, 1]]),
                 token_seq=i32([0, 0]), positions=i32([3, 4]), o=torch.empty_like(q), scale=0.06)
+
+
+# ---- paged_attention_split + merge_attn_states (flash decoding) ----------------------------------------
+
+def split_cases():
+    """Every split route instance on every problem it admits, at split counts from one to more splits than a short
+    sequence has chunks (empty splits)."""
+    return [(inst, problem, name, ks) for inst, problem in admitted("paged_attention_split")
+            for name in ROUTE_SCENARIOS for ks in (1, 7, 64)]
+
+
+def check_split(be, ref, problem, seqs, ks, seed, route=None):
+    """paged_attention_split (route or table) against the reference partials: the same empty splits (m = -inf,
+    l = 0, O = 0), m / l / O within attention_bf16 elsewhere; then merge_attn_states on the GPU partials
+    against the reference paged_attention times sigmoid(gate)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ts = attention_inputs(problem, seqs, gen)
+    o = ts.pop("o")
+    T, NH, D = ts["q"].shape
+    nan = lambda *s: torch.full(s, float("nan"), device="cuda")  # noqa: E731
+    got = dict(part_o=nan(T, NH, ks, D), m=nan(T, NH, ks), l=nan(T, NH, ks))
+    want = {k: nan(*v.shape) for k, v in got.items()}
+    scale = D ** -0.5
+    plan = be.plan("paged_attention_split", route=route, **{k: v.clone() for k, v in ts.items()}, **got, scale=scale)
+    plan()
+    torch.cuda.synchronize()
+    ref.run("paged_attention_split", **{k: v.clone() for k, v in ts.items()}, **want, scale=scale)
+    what = f"via {plan.kernel.instance} KS={ks} seqs={seqs}"
+    empty = want["m"] == float("-inf")
+    assert torch.equal(got["m"] == float("-inf"), empty), f"empty splits differ {what}"
+    assert not got["l"][empty].any() and not got["part_o"][empty].any(), f"an empty split has l or O != 0 {what}"
+    preset = be.manifest.tolerances["attention_bf16"]
+    for name in ("m", "l", "part_o"):
+        v = compare(got[name][~empty], want[name][~empty], preset, f"paged_attention_split.{name} {what}")
+        assert v, v.detail
+    gate = torch.randn(T, NH, D, device="cuda", generator=gen).bfloat16()
+    be.run("merge_attn_states", **got, gate=gate, o=o)
+    torch.cuda.synchronize()
+    attn = torch.empty_like(o)
+    ref.run("paged_attention", **ts, o=attn, scale=scale)
+    expect = (attn.float() * torch.sigmoid(gate.float())).bfloat16()
+    assert (v := compare(o, expect, preset, f"split + merge {what}")), v.detail
+    return plan.kernel.instance
+
+
+@pytest.mark.parametrize("route,problem,scenario,ks", split_cases(), ids=str)
+def test_paged_attention_split_every_route(be, ref, route, problem, scenario, ks):
+    seqs = ROUTE_SCENARIOS[scenario]
+    assert check_split(be, ref, problem, seqs, ks, seed=len(scenario) + ks, route=route) == route
+
+
+@pytest.mark.parametrize("problem", ATTN_PROBLEMS, ids=str)
+def test_paged_attention_split_table(be, ref, problem):
+    """The table's choice at the split counts the model uses (blocks.attn_splits) for decode batches of 1..8."""
+    from ninfer.runtime.models.blocks import attn_splits
+    for T in (1, 2, 3, 8):
+        seqs = layouts(T, problem[3], seed=T)["decode"]
+        check_split(be, ref, problem, seqs, attn_splits(T, problem[1]), seed=T)
+
+
+def test_merge_attn_states(be, ref):
+    """Random partials (some splits empty, one split per row at least), the output gate, D 256 and 64."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for T, NH, ks, D in ((1, 16, 64, 256), (3, 24, 7, 256), (8, 4, 1, 64), (2, 6, 33, 64)):
+        m = torch.randn(T, NH, ks, device="cuda", generator=gen) * 8
+        empty = torch.rand(T, NH, ks, device="cuda", generator=gen) < 0.3
+        empty[..., 0] = False
+        m[empty] = float("-inf")
+        l = torch.where(empty, 0.0, 1 + torch.rand(T, NH, ks, device="cuda", generator=gen) * 20)
+        part_o = torch.where(empty[..., None], 0.0, torch.randn(T, NH, ks, D, device="cuda", generator=gen))
+        ts = dict(part_o=part_o, m=m, l=l, gate=torch.randn(T, NH, D, device="cuda", generator=gen).bfloat16(),
+                  o=torch.full((T, NH, D), float("nan"), device="cuda").bfloat16())
+        _check(be, ref, "merge_attn_states", ts, {})
 
 
 # ---- the GatedAttention chain, eager and CUDA-graph replayed ------------------------------------------
