@@ -295,9 +295,10 @@ def test_paged_attention_split_table(be, ref, problem):
 
 
 def test_merge_attn_states(be, ref):
-    """Random partials (some splits empty, one split per row at least), the output gate, D 256 and 64."""
+    """Every route (and the table's) on random partials (some splits empty, one per row at least), with the output
+    gate: D 256 and 64, from one split to more splits than a block has threads."""
     gen = torch.Generator(device="cuda").manual_seed(5)
-    for T, NH, ks, D in ((1, 16, 64, 256), (3, 24, 7, 256), (8, 4, 1, 64), (2, 6, 33, 64)):
+    for T, NH, ks, D in ((1, 16, 64, 256), (3, 24, 7, 256), (8, 4, 1, 64), (2, 6, 33, 64), (1, 2, 200, 256)):
         m = torch.randn(T, NH, ks, device="cuda", generator=gen) * 8
         empty = torch.rand(T, NH, ks, device="cuda", generator=gen) < 0.3
         empty[..., 0] = False
@@ -306,7 +307,9 @@ def test_merge_attn_states(be, ref):
         part_o = torch.where(empty[..., None], 0.0, torch.randn(T, NH, ks, D, device="cuda", generator=gen))
         ts = dict(part_o=part_o, m=m, l=l, gate=torch.randn(T, NH, D, device="cuda", generator=gen).bfloat16(),
                   o=torch.full((T, NH, D), float("nan"), device="cuda").bfloat16())
-        _check(be, ref, "merge_attn_states", ts, {})
+        for inst in [None, *_instances("merge_attn_states")]:
+            got = _check(be, ref, "merge_attn_states", ts, {}, route=inst)
+            assert inst is None or got == inst
 
 
 # ---- the GatedAttention chain, eager and CUDA-graph replayed ------------------------------------------
