@@ -3,7 +3,7 @@
 # The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
-#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab chunk-ab" (default: tests bench-27b bench-35b)
+#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab" (default: tests bench-27b bench-35b)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
@@ -42,6 +42,11 @@ for stage in $STAGES; do
         NINFER_MOE_SPLIT_MAX_T=$1 NINFER_MOE_GROUPED_MIN_T=$2 timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model \
           --shape qwen3.6-35b-a3b --weights q4 ${BENCH35:-} --json "$OUT/moe-ab-$1-$2.json" 2>&1 | tee "$OUT/moe-ab-$1-$2.log"
       done ;;
+    split-ab)  # decode attention as flash decoding (split + merge) against paged_attention alone, 27B and 35B-A3B q4
+      for split in 8 off; do for shape in qwen3.6-27b qwen3.6-35b-a3b; do
+        NINFER_ATTN_SPLIT_MAX_T=$split timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape $shape --weights q4 \
+          ${SPLIT_AB:---prompts 1024 --concurrency 1,2,4,8 --steps 64} --json "$OUT/split-ab-$shape-$split.json" 2>&1 | tee "$OUT/split-ab-$shape-$split.log"
+      done; done ;;
     chunk-ab)  # 27B q4 prefill with prefill chunks of 1024, 4096 and 8192 tokens
       for chunk in 1024 4096 8192; do
         timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b --weights q4 --prompts ${CHUNK_PROMPTS:-8192} \
