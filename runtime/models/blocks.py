@@ -83,7 +83,7 @@ def attn_splits(T: int, kv_heads: int) -> int:
 
 # The shared expert on a second CUDA stream beside the router and routed experts: a fork and a join, which a decode
 # graph captures as two parallel branches. H200, 35B-A3B q4, 8K context (PERF_NOTES.md, session 10): decode C=1
-# 355.5 -> 359.3 tok/s, C=8 1,384.7 -> 1,425.7 (a small gain, about the run-to-run spread; never a loss).
+# 355.5 -> 359.3 tok/s, C=8 1,384.7 -> 1,425.7 (one A/B run each: gains about the size of the run-to-run spread).
 # NINFER_MOE_SHARED_STREAM=0 turns it off.
 MOE_SHARED_STREAM = os.environ.get("NINFER_MOE_SHARED_STREAM", "1") == "1"
 _SIDE_STREAMS: dict = {}
