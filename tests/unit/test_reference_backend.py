@@ -190,3 +190,25 @@ def test_moe_form_thresholds_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("NINFER_TEST_TOKENS", "-1")
     with pytest.raises(ValueError, match=r"NINFER_TEST_TOKENS='-1': expected a token count"):
         _env_tokens("NINFER_TEST_TOKENS", 64)
+
+
+@pytest.mark.parametrize("ks", [1, 3, 16])
+def test_split_attention_and_merge_compose_to_gated_paged_attention(be, ks):
+    """paged_attention_split's partials, combined by merge_attn_states, are paged_attention times sigmoid(gate); a split
+    without keys (a 20-key sequence has 2 chunks) holds m = -inf, l = 0, O = 0."""
+    g = torch.Generator().manual_seed(ks)
+    nh, nkv, d, bs = 6, 2, 32, 16
+    kc, vc = torch.randn(12, bs, nkv, d, generator=g), torch.randn(12, bs, nkv, d, generator=g)
+    table = torch.randperm(12, generator=g)[:8].to(torch.int32).view(2, 4)
+    cache = dict(q=torch.randn(3, nh, d, generator=g), k_cache=kc, v_cache=vc, block_table=table,
+                 token_seq=torch.tensor([0, 1, 1], dtype=torch.int32), positions=torch.tensor([19, 40, 63], dtype=torch.int32),
+                 scale=0.2)
+    part = dict(part_o=torch.empty(3, nh, ks, d), m=torch.empty(3, nh, ks), l=torch.empty(3, nh, ks))
+    be.run("paged_attention_split", **cache, **part)
+    gate, o, attn = torch.randn(3, nh, d, generator=g), torch.empty(3, nh, d), torch.empty(3, nh, d)
+    be.run("merge_attn_states", **part, gate=gate, o=o)
+    be.run("paged_attention", **cache, o=attn)
+    assert torch.allclose(o, attn * torch.sigmoid(gate), atol=1e-5)
+    empty = part["m"][0] == float("-inf")
+    assert empty.sum() == nh * max(0, ks - 2)   # token 0 sees 20 keys: 2 chunks
+    assert not part["l"][0][empty].any() and not part["part_o"][0][empty].any()
