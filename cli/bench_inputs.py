@@ -118,15 +118,19 @@ def _make_attention(torch, dims, rng, op):
     seqs, mb = (T if decode else 1), ATTN_CONTEXT // bs
     dev = "cuda"
     cache = lambda: torch.randn(seqs * mb, bs, nkv, d, device=dev, generator=rng).bfloat16()  # noqa: E731
-    return {"q": torch.randn(T, nh, d, device=dev, generator=rng).bfloat16(), "k_cache": cache(), "v_cache": cache(),
-            "block_table": torch.randperm(seqs * mb, device=dev, generator=rng).int().view(seqs, mb),
-            "token_seq": (torch.arange(T, dtype=torch.int32, device=dev) if decode
-                          else torch.zeros(T, dtype=torch.int32, device=dev)),
-            "positions": (torch.full((T,), ATTN_CONTEXT - 1, dtype=torch.int32, device=dev) if decode
-                          else torch.arange(ATTN_CONTEXT - T, ATTN_CONTEXT, dtype=torch.int32, device=dev)),
-            **({"o": torch.empty(T, nh, d, device=dev, dtype=torch.bfloat16)} if op == "paged_attention" else
-               {"part_o": torch.empty(T, nh, dims["KS"], d, device=dev), "m": torch.empty(T, nh, dims["KS"], device=dev),
-                "l": torch.empty(T, nh, dims["KS"], device=dev)})}
+    ts = {"q": torch.randn(T, nh, d, device=dev, generator=rng).bfloat16(), "k_cache": cache(), "v_cache": cache(),
+          "block_table": torch.randperm(seqs * mb, device=dev, generator=rng).int().view(seqs, mb),
+          "token_seq": (torch.arange(T, dtype=torch.int32, device=dev) if decode
+                        else torch.zeros(T, dtype=torch.int32, device=dev)),
+          "positions": (torch.full((T,), ATTN_CONTEXT - 1, dtype=torch.int32, device=dev) if decode
+                        else torch.arange(ATTN_CONTEXT - T, ATTN_CONTEXT, dtype=torch.int32, device=dev))}
+    if op == "paged_attention":
+        ts["o"] = torch.empty(T, nh, d, device=dev, dtype=torch.bfloat16)
+    else:
+        ks = dims["KS"]
+        ts.update(part_o=torch.empty(T, nh, ks, d, device=dev), m=torch.empty(T, nh, ks, device=dev),
+                  l=torch.empty(T, nh, ks, device=dev))
+    return ts
 
 
 def _moe_formats(op: str) -> tuple[str | None, str | None]:

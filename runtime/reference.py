@@ -80,16 +80,20 @@ def kv_cache_write(k, v, slot_mapping, k_cache, v_cache):
     return {"k_cache": k_cache, "v_cache": v_cache}
 
 
+def _keys_values(q, k_cache, v_cache, block_table, s: int, n: int):
+    """Keys and values 0..n-1 of sequence s from the paged cache, each kv head repeated over its query heads
+    (GQA): two [n, NH, D] tensors in q's dtype."""
+    nh, (bs, nkv, d) = q.shape[1], k_cache.shape[1:]
+    pages = block_table[s, : (n + bs - 1) // bs].long()
+    return [c[pages].reshape(-1, nkv, d)[:n].to(q.dtype).repeat_interleave(nh // nkv, dim=1) for c in (k_cache, v_cache)]
+
+
 def paged_attention(q, k_cache, v_cache, block_table, token_seq, positions, scale):
-    T, nh, d = q.shape
-    bs, nkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     for s in torch.unique(token_seq).tolist():
         rows = (token_seq == s).nonzero().flatten()
         n = int(positions[rows].max()) + 1
-        pages = block_table[s, : (n + bs - 1) // bs].long()
-        K = k_cache[pages].reshape(-1, nkv, d)[:n].to(q.dtype).repeat_interleave(nh // nkv, dim=1)  # [n, nh, d]
-        V = v_cache[pages].reshape(-1, nkv, d)[:n].to(q.dtype).repeat_interleave(nh // nkv, dim=1)
+        K, V = _keys_values(q, k_cache, v_cache, block_table, s, n)
         scores = torch.einsum("thd,nhd->thn", q[rows], K) * scale
         mask = torch.arange(n, device=q.device)[None, :] > positions[rows][:, None]
         scores = scores.masked_fill(mask[:, None, :], float("-inf"))
@@ -99,17 +103,14 @@ def paged_attention(q, k_cache, v_cache, block_table, token_seq, positions, scal
 
 def paged_attention_split(q, k_cache, v_cache, block_table, token_seq, positions, scale, dims):
     T, nh, d = q.shape
-    bs, nkv = k_cache.shape[1], k_cache.shape[2]
     ks, log2e = dims["KS"], 1.4426950408889634
     part_o = q.new_zeros(T, nh, ks, d, dtype=torch.float32)
     m = q.new_full((T, nh, ks), float("-inf"), dtype=torch.float32)
     l = q.new_zeros(T, nh, ks, dtype=torch.float32)
     for t in range(T):
-        n = min(int(positions[t]) + 1, block_table.shape[1] * bs)
-        pages = block_table[int(token_seq[t]), : (n + bs - 1) // bs].long()
-        K = k_cache[pages].reshape(-1, nkv, d)[:n].float().repeat_interleave(nh // nkv, dim=1)   # [n, nh, d]
-        V = v_cache[pages].reshape(-1, nkv, d)[:n].float().repeat_interleave(nh // nkv, dim=1)
-        x = torch.einsum("hd,nhd->hn", q[t].float(), K) * (scale * log2e)                        # [nh, n]
+        n = min(int(positions[t]) + 1, block_table.shape[1] * k_cache.shape[1])
+        K, V = _keys_values(q, k_cache, v_cache, block_table, int(token_seq[t]), n)
+        x = torch.einsum("hd,nhd->hn", q[t], K) * (scale * log2e)                                # [nh, n]
         chunks = (n + 15) // 16
         ends = torch.tensor([16 * (chunks * (i + 1) // ks) for i in range(ks)], device=q.device)
         split = torch.searchsorted(ends, torch.arange(n, device=q.device), right=True)           # each key's split
