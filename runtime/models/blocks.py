@@ -68,17 +68,20 @@ MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", 65)
 # token's keys into attn_splits(T, kv heads) splits, one block each, and merge_attn_states combines them (and applies
 # the output gate), where paged_attention ran one cluster of 8 blocks per (token, kv head): 16 (35B-A3B) to 64 SMs
 # busy. H200, q4, 8K context (PERF_NOTES.md, session 10), with up to 256 blocks per step: 35B-A3B decode C=1 354.8 ->
-# 380.9 tok/s, C=8 1,446 -> 1,540; 27B C=1 158.1 -> 158.7, C=8 648.5 -> 660.8. The split op and the merge timed
-# alone then gave attn_splits' fewer, longer splits (the merge costs ~0.26 us per split at T = 1); that choice is
-# not yet timed in the whole model. NINFER_ATTN_SPLIT_MAX_T=off turns it off.
+# 380.9 tok/s, C=8 1,446 -> 1,540; 27B C=1 158.1 -> 158.7, C=8 648.5 -> 660.8. With the staged merge and
+# attn_splits' 128 blocks / at most 32 splits (session 11, one A/B run, off in brackets): 27B C=1 163.3 (151.2),
+# C=8 637.7 (643.7); 35B-A3B C=1 403.6 (376.0), C=8 1,604 (1,499); 256/64 and 512/64 were no better.
+# NINFER_ATTN_SPLIT_MAX_T=off turns it off.
 ATTN_SPLIT_MAX_T = _env_tokens("NINFER_ATTN_SPLIT_MAX_T", 8) or 0
-ATTN_SPLIT_BLOCKS = 128   # blocks per step to aim for (27B: 32 splits at T = 1 ... 8 at T = 4, 8)
+# Blocks per step to aim for and the most splits per token (NINFER_ATTN_SPLIT_BLOCKS / NINFER_ATTN_SPLIT_MAX_KS: A/B runs).
+ATTN_SPLIT_BLOCKS = _env_tokens("NINFER_ATTN_SPLIT_BLOCKS", 128) or 128
+ATTN_SPLIT_MAX_KS = _env_tokens("NINFER_ATTN_SPLIT_MAX_KS", 32) or 32
 
 
 def attn_splits(T: int, kv_heads: int) -> int:
-    """Splits per token: the power of two at or below ATTN_SPLIT_BLOCKS / (T * kv_heads), clamped to 8..32."""
+    """Splits per token: the power of two at or below ATTN_SPLIT_BLOCKS / (T * kv_heads), clamped to 8..ATTN_SPLIT_MAX_KS."""
     ks = max(1, ATTN_SPLIT_BLOCKS // (T * kv_heads))
-    return min(32, max(8, 1 << (ks.bit_length() - 1)))
+    return min(ATTN_SPLIT_MAX_KS, max(8, 1 << (ks.bit_length() - 1)))
 
 
 # The shared expert on a second CUDA stream beside the router and routed experts: a fork and a join, which a decode

@@ -42,10 +42,11 @@ for stage in $STAGES; do
         NINFER_MOE_SPLIT_MAX_T=$1 NINFER_MOE_GROUPED_MIN_T=$2 timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model \
           --shape qwen3.6-35b-a3b --weights q4 ${BENCH35:-} --json "$OUT/moe-ab-$1-$2.json" 2>&1 | tee "$OUT/moe-ab-$1-$2.log"
       done ;;
-    split-ab)  # decode attention as flash decoding (split + merge) against paged_attention alone, 27B and 35B-A3B q4
-      for split in 8 off; do for shape in qwen3.6-27b qwen3.6-35b-a3b; do
-        NINFER_ATTN_SPLIT_MAX_T=$split timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape $shape --weights q4 \
-          ${SPLIT_AB:---prompts 1024 --concurrency 1,2,4,8 --steps 64} --json "$OUT/split-ab-$shape-$split.json" 2>&1 | tee "$OUT/split-ab-$shape-$split.log"
+    split-ab)  # decode attention as flash decoding (split + merge; SPLIT_POLICIES of blocks/max-splits) against paged_attention alone
+      for pol in ${SPLIT_POLICIES:-128/32 off}; do for shape in qwen3.6-27b qwen3.6-35b-a3b; do
+        if [ $pol = off ]; then env=NINFER_ATTN_SPLIT_MAX_T=off; else env="NINFER_ATTN_SPLIT_BLOCKS=${pol%/*} NINFER_ATTN_SPLIT_MAX_KS=${pol#*/}"; fi
+        echo "# split policy $pol"; env $env timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape $shape --weights q4 \
+          ${SPLIT_AB:---prompts 1024 --concurrency 1,2,4,8 --steps 64} --json "$OUT/split-ab-$shape-${pol/\//-}.json" 2>&1 | tee "$OUT/split-ab-$shape-${pol/\//-}.log"
       done; done ;;
     chunk-ab)  # 27B q4 prefill with prefill chunks of 1024, 4096 and 8192 tokens
       for chunk in 1024 4096 8192; do
