@@ -39,6 +39,9 @@ CASES = [
     *((f"dequant_{f}", {"K": 5120}, [34816]) for f in ("q4", "q5", "q6", "w8", "fp8")),
     ("dequant_q4", {"K": 17408}, [5120]),
     ("gdn_delta_rule", {"HV": 48, "DK": 128, "DV": 128}, [1, 8, 31, 32, 1024]),   # one sequence of T tokens
+    # the fused GDN decode step of T sequences: 27B, then 35B-A3B
+    ("gdn_decode", {"H": 5120, "HK": 16, "R": 3, "DK": 128, "DV": 128}, [1, 2, 4, 8]),
+    ("gdn_decode", {"H": 2048, "HK": 16, "R": 2, "DK": 128, "DV": 128}, [1, 2, 4, 8]),
     # T <= 64: T sequences at ATTN_CONTEXT (decode); 4096: the second chunk of an 8K prompt (prefill)
     ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 2, 4, 8, 4096]),
     ("paged_attention", {"NH": 16, "NKV": 2, "D": 256, "BS": 16}, [1, 2, 4096]),
@@ -100,7 +103,7 @@ def _time_graph(torch, plans, reps: int, launches: int = 20) -> float:
 
 
 OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5},
-             "paged_attention_split": {"scale": 256 ** -0.5}}
+             "paged_attention_split": {"scale": 256 ** -0.5}, "gdn_decode": {"scale": 128 ** -0.5}}
 
 
 def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None, routes: tuple[str, ...] = ()) -> None:

@@ -47,6 +47,9 @@ def op_bytes(op, tensors, dims) -> int:
         else:   # the grouped ops: the experts moe_align gave pairs to
             chosen = int((tensors["offsets"].diff(prepend=tensors["offsets"].new_zeros(1)) > 0).sum()) if per_expert else 0
         return chosen * per_expert + acts
+    if op == "gdn_decode":  # the recurrent and conv states are read and written back
+        return sum(t.numel() * t.element_size() for t in tensors.values()) + sum(
+            tensors[k].numel() * tensors[k].element_size() for k in ("state", "conv_state"))
     if op == "embedding":  # only the gathered rows of the table are read
         return tensors["ids"].numel() * 4 + 2 * tensors["y"].numel() * tensors["y"].element_size()
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -76,6 +79,8 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         return _make_gdn(torch, dims, rng)
     if op in ("paged_attention", "paged_attention_split"):
         return _make_attention(torch, dims, rng, op)
+    if op == "gdn_decode":
+        return _make_gdn_decode(torch, dims, rng)
     if is_expert_op(op):
         return _make_moe(torch, contract, op, dims, rng)
     packed = op.split("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
@@ -106,6 +111,18 @@ def _make_gdn(torch, dims, rng):
             "slots": torch.zeros(1, dtype=torch.int32, device=dev),
             "state": torch.randn(2, hv, dk, dv, device=dev, generator=rng) * 0.1,
             "o": torch.empty(T, hv, dv, device=dev, dtype=torch.bfloat16)}
+
+
+def _make_gdn_decode(torch, dims, rng):
+    """A decode step of T sequences (one token each) through the fused GDN mixer, states in distinct slots."""
+    T, H, hk, r, dk, dv = (dims[d] for d in ("T", "H", "HK", "R", "DK", "DV"))
+    C, hv, dev = 2 * hk * dk + hk * r * dv, hk * r, rng.device
+    randn = lambda *shape, scale=1.0: torch.randn(*shape, device=dev, generator=rng) * scale  # noqa: E731
+    return {"x": randn(T, H).bfloat16(), "qkvz": randn(T, C + hv * dv).bfloat16(),
+            "w_ba": randn(2, hk, r, H, scale=H ** -0.5).bfloat16(), "conv_w": randn(C, 4, scale=0.5).bfloat16(),
+            "A_log": randn(hk, r), "dt_bias": randn(hk, r), "norm_w": (randn(dv, scale=0.5) + 1).bfloat16(),
+            "slots": torch.randperm(T, device=dev, generator=rng).int(), "conv_state": randn(T, C, 3).bfloat16(),
+            "state": randn(T, hk, r, dk, dv, scale=0.5), "y": torch.empty(T, hk, r, dv, device=dev, dtype=torch.bfloat16)}
 
 
 def _make_attention(torch, dims, rng, op):

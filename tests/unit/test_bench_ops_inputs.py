@@ -73,3 +73,17 @@ def test_router_and_norm_inputs_are_plain_tensors():
         ts = make_inputs(torch, be.contract(op), "bf16", dict(dims), torch.Generator().manual_seed(0), op)
         assert set(ts) == set(be.contract(op)["inputs"]) | set(be.contract(op)["outputs"])
         be.run(op, **ts)
+
+
+def test_gdn_decode_inputs_run_and_count_the_states_twice():
+    """A decode step of T sequences in distinct slots; the states are read and written back, so bytes count them twice."""
+    be = ReferenceBackend()
+    dims = {"T": 3, "H": 64, "HK": 2, "R": 2, "DK": 32, "DV": 32}
+    ts = make_inputs(torch, be.contract("gdn_decode"), "bf16", dict(dims), torch.Generator().manual_seed(0), "gdn_decode")
+    assert sorted(ts["slots"].tolist()) == [0, 1, 2]
+    state0 = ts["state"].clone()
+    be.run("gdn_decode", **ts, scale=32 ** -0.5)
+    assert torch.isfinite(ts["y"].float()).all() and not torch.equal(ts["state"], state0)
+    once = sum(t.numel() * t.element_size() for t in ts.values())
+    states = sum(ts[k].numel() * ts[k].element_size() for k in ("state", "conv_state"))
+    assert op_bytes("gdn_decode", ts, dims) == once + states
