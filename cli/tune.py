@@ -1,11 +1,13 @@
-"""`ninfer-tune`: measure every applicable route of every linear, MoE-expert, norm and router problem of a model
-on this GPU and write the GPU's own route tables, specs/tuned/<gpu>.yaml, which `make generate` validates (closed
-catalogue, like any table) and the runtime prefers when it runs on that GPU.
+"""`ninfer-tune`: measure every applicable route of every linear, MoE-expert, norm, router, GDN decode and
+attention problem of a model on this GPU and write the GPU's own route tables, specs/tuned/<gpu>.yaml, which
+`make generate` validates (closed catalogue, like any table) and the runtime prefers when it runs on that GPU.
 
 For each (op, problem) and each T of a grid, every route instance that admits the whole span [T, next grid
 T - 1] is timed (CUDA-graph replays over input copies that exceed the L2, as `ninfer-bench ops`); the fastest
-owns the span. Nothing is written until every measurement is done and the new file passed validation, so an
-interrupted run leaves the previous table as it was.
+owns the span. A route whose first launch takes SKIP_FACTOR x the fastest full timing so far at that T is
+dropped there without its full timing (a decode attention route over a 4096-token prefill chunk). Decode-only
+ops are timed on their own grid (OP_GRIDS: the decode batch sizes they serve). Nothing is written until every
+measurement is done and the new file passed validation, so an interrupted run leaves the previous table as it was.
 """
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ from pathlib import Path
 import click
 
 GRID = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Ops the model runs only for decode steps (T sequences of one token): timed at those T, whatever --grid says;
+# the last point's winner owns the rest of T (models/blocks.py: flash decoding up to ATTN_SPLIT_MAX_T = 8).
+OP_GRIDS = {"gdn_decode": (1, 2, 3, 4, 5, 8, 9, 16, 32, 64), "paged_attention_split": (1, 2, 3, 4, 5, 8),
+            "merge_attn_states": (1, 2, 3, 4, 5, 8)}
+SKIP_FACTOR = 4
 
 
 def build_spans(grid: list[int], winners: list[str]) -> list[dict]:
@@ -48,7 +55,7 @@ def model_problems(shape: str, fmt: str) -> list[tuple[str, dict]]:
     cfg = SHAPES[shape]
     packed = packed_formats(cfg, fmt)
     stored = {name: (s, packed.get(name, "bf16")) for name, s in weight_shapes(cfg).items()}
-    return linear_problems(cfg, stored) + expert_problems(cfg, stored) + layer_problems(cfg)
+    return linear_problems(cfg, stored) + expert_problems(cfg, stored) + layer_problems(cfg) + mixer_problems(cfg)
 
 
 def artifact_problems(path) -> list[tuple[str, dict]]:
@@ -63,7 +70,7 @@ def artifact_problems(path) -> list[tuple[str, dict]]:
                   if not set(e.flags) & {"mtp", "visual"}}
     finally:
         art.close()
-    return linear_problems(cfg, stored) + expert_problems(cfg, stored) + layer_problems(cfg)
+    return linear_problems(cfg, stored) + expert_problems(cfg, stored) + layer_problems(cfg) + mixer_problems(cfg)
 
 
 def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
@@ -124,6 +131,34 @@ def layer_problems(cfg) -> list[tuple[str, dict]]:
     return out
 
 
+def mixer_problems(cfg, page_size: int = 16) -> list[tuple[str, dict]]:
+    """The token mixers' ops with several routes: the fused GDN decode step ({H, HK, R, DK, DV}) and the paged
+    attention of prefill and decode with its flash-decoding pair ({NH, NKV, D, BS} at the engine's page size;
+    merge_attn_states {NH, D})."""
+    out = []
+    if not all(cfg.is_attention(i) for i in range(cfg.layers)):
+        out.append(("gdn_decode", {"H": cfg.hidden, "HK": cfg.k_heads, "R": cfg.v_heads // cfg.k_heads,
+                                   "DK": cfg.k_dim, "DV": cfg.v_dim}))
+    if any(cfg.is_attention(i) for i in range(cfg.layers)):
+        attn = {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim, "BS": page_size}
+        out += [("paged_attention", attn), ("paged_attention_split", dict(attn)),
+                ("merge_attn_states", {"NH": cfg.heads, "D": cfg.head_dim})]
+    return out
+
+
+def step_dims(op: str, T: int, problem: dict, problems: list) -> dict:
+    """Dims an op's inputs need beyond T and its problem: the flash-decoding split count KS the model uses at T
+    (blocks.attn_splits over the attention's kv heads; merge_attn_states's from the paged_attention problem of
+    the same heads)."""
+    from ninfer.runtime.models.blocks import attn_splits
+    if op == "paged_attention_split":
+        return {"KS": attn_splits(T, problem["NKV"])}
+    if op == "merge_attn_states":
+        nkv = next(p["NKV"] for o, p in problems if o == "paged_attention" and p["NH"] == problem["NH"])
+        return {"KS": attn_splits(T, nkv)}
+    return {}
+
+
 def label(problem: dict) -> str:
     """A problem as --problem spells it: its dims joined by x (N x K; H x E x I x K for the experts)."""
     return "x".join(str(v) for v in problem.values())
@@ -134,30 +169,35 @@ def admits(kernel, dims: dict) -> bool:
     return all(evaluate(c, dims) for c in kernel.constraints)
 
 
-def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = False) -> list[str]:
+def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = False, extra=lambda t: {}) -> list[str]:
     """The fastest instance at each grid T among those admitting the whole span it would own (verbose: echo
-    every instance's time)."""
+    every instance's time); extra(T): the dims the inputs need beyond T and the problem (step_dims)."""
     import torch
 
-    from ninfer.cli.bench import _time_graph
+    from ninfer.cli.bench import OP_PARAMS, _time, _time_graph
     from ninfer.cli.bench_inputs import by_name, footprint, make_inputs, timing_sets
     contract = be.contract(op)
-    params = by_name(contract, problem)
+    params = {**by_name(contract, problem), **OP_PARAMS.get(op, {})}
     kernels = [k for k in be.manifest.kernels.values() if k.op == op and k.arch == be.device.arch and k.dtype == "bf16"]
     rng = torch.Generator(device="cuda")
     rng.manual_seed(0)
     winners = []
     for i, t in enumerate(grid):
         last = grid[i + 1] - 1 if i + 1 < len(grid) else 1 << 30
-        base = make_inputs(torch, contract, "bf16", {"T": t, **problem}, rng, op)
-        dims = {"T": t, **problem}
+        dims = {"T": t, **problem, **extra(t)}
+        base = make_inputs(torch, contract, "bf16", dict(dims), rng, op)
         sets = timing_sets(torch, op, base, dims, rng, factor=2, most=4)
         nbytes = footprint(base)
         best = None
-        for k in kernels:
+        chosen = be.select(op, "bf16", dims).instance   # timed first: the skip rule then has a good yardstick
+        for k in sorted(kernels, key=lambda k: k.instance != chosen):
             if not (admits(k, dims) and admits(k, {**dims, "T": last})):
                 continue
             plans = [be.plan(op, route=k.instance, **s, **params) for s in sets]
+            if best is not None and _time(torch, plans[0], 1, warmup=1) > SKIP_FACTOR * best[0]:
+                if verbose:
+                    echo(f"    {k.instance} skipped (one launch > {SKIP_FACTOR} x the fastest)")
+                continue
             launches = max(len(sets), min(20, int(2e-3 / max(nbytes / 3e12, 1e-7))))
             secs = _time_graph(torch, plans, reps, launches)
             if verbose:
@@ -225,8 +265,8 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
               help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
 def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> None:
-    """Time every route of every linear, expert, norm and router problem of a model on this GPU; write
-    specs/tuned/<gpu>.yaml."""
+    """Time every route of every linear, expert, norm, router, GDN decode and attention problem of a model on this
+    GPU; write specs/tuned/<gpu>.yaml."""
     from ninfer.runtime.cuda import gpu_available
     from ninfer.runtime.paths import ROOT
     if not gpu_available():
@@ -246,6 +286,7 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> Non
         source, problems = f"{shape} {fmt}", model_problems(shape, fmt)
     if ops:   # a run of some ops replaces only the note of a run of the same ops
         source += f" ({', '.join(ops)})"
+    everything = problems
     problems = [(op, p) for op, p in problems if (not ops or op in ops) and (not only or label(p) in only)]
     if not problems:
         raise click.BadParameter(f"no problem of {source} matches --op {', '.join(ops) or '(any)'} "
@@ -254,8 +295,10 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> Non
     click.echo(f"# ninfer-tune on {gpu} ({arch}): {len(problems)} problems x {len(ts)} T values", err=True)
     tables = []
     for op, problem in problems:
-        winners = measure(be, op, problem, ts, reps, lambda m: click.echo(m, err=True), verbose)
-        tables.append({"op": op, "problem": problem, "spans": build_spans(ts, winners)})
+        grid_t = list(OP_GRIDS.get(op, ts))
+        winners = measure(be, op, problem, grid_t, reps, lambda m: click.echo(m, err=True), verbose,
+                          extra=lambda t: step_dims(op, t, problem, everything))
+        tables.append({"op": op, "problem": problem, "spans": build_spans(grid_t, winners)})
     note = f"{datetime.date.today().isoformat()}, {source}, grid {grid}"
     root = Path(specs_dir) if specs_dir else ROOT / "specs"
     name = f"{gpu_slug(gpu)}.yaml"

@@ -1,6 +1,7 @@
 """This GPU's tuned route tables (specs/tuned/, ninfer-tune) at every span boundary: the table path (no
 route named) against the reference on clones, with the op's tolerance, for every tuned linear problem small
-enough to check and every other tuned problem (experts, norms, router) on ninfer-tune's own inputs."""
+enough to check and every other tuned problem (experts, norms, router, GDN decode, attention) on ninfer-tune's
+own inputs."""
 import pytest
 import torch
 
@@ -49,12 +50,16 @@ def test_tuned_span_boundaries(be, ref, op, problem, T):
 
 
 def check_other_op(be, ref, op, problem, T):
-    """A tuned non-linear problem on the inputs ninfer-tune times it on (cli/bench_inputs.py)."""
+    """A tuned non-linear problem on the inputs ninfer-tune times it on (cli/bench_inputs.py; the flash-decoding
+    ops at the split count the model uses, cli/tune.py step_dims)."""
+    from ninfer.cli.bench import OP_PARAMS
     from ninfer.cli.bench_inputs import by_name, make_inputs
+    from ninfer.cli.tune import step_dims
     contract = be.contract(op)
     g = torch.Generator(device="cuda").manual_seed(T)
-    ins = make_inputs(torch, contract, "bf16", {"T": T, **problem}, g, op)
-    params = by_name(contract, problem)
+    tuned = [(o, p) for o, p, _ in tuned_cases()]
+    ins = make_inputs(torch, contract, "bf16", {"T": T, **problem, **step_dims(op, T, problem, tuned)}, g, op)
+    params = {**by_name(contract, problem), **OP_PARAMS.get(op, {})}
     outs = [k for k in contract["outputs"]]
     plan = be.plan(op, **ins, **params)
     want = {k: torch.empty_like(ins[k]) for k in outs}

@@ -53,9 +53,30 @@ def test_model_problems_are_the_linear_shapes_and_the_norms():
     # GDN qkv (10240 rows) and z (6144) run as one projection (GatedDeltaNet.fuse_weights)
     assert ("linear_q4", {"N": 16384, "K": 5120}) in got
     assert not {(10240, 5120), (6144, 5120)} & {(p["N"], p["K"]) for op, p in got if op.startswith("linear")}
-    assert {op for op, _ in got} == {"linear", "linear_q4", "add_rms_norm_zc", "rms_norm_zc"}
+    assert {op for op, _ in got} == {"linear", "linear_q4", "add_rms_norm_zc", "rms_norm_zc", "gdn_decode", "paged_attention",
+                                     "paged_attention_split", "merge_attn_states"}
     assert ("add_rms_norm_zc", {"H": 5120}) in got and not any(op.startswith("moe_") for op, _ in got)
     assert gpu_slug("NVIDIA H200") == "nvidia-h200"
+
+
+def test_mixer_problems_and_the_split_counts_they_are_timed_at():
+    """The GDN decode step and the attention ops at the model's head shapes and the engine's page size; the
+    flash-decoding pair is timed at the split count the model uses at each T (blocks.attn_splits)."""
+    from ninfer.cli.tune import OP_GRIDS, mixer_problems, step_dims
+    from ninfer.runtime.models.blocks import attn_splits
+    from ninfer.runtime.synthetic import SHAPES
+    got = model_problems("qwen3.6-35b-a3b", "q4")
+    attn = {"NH": 16, "NKV": 2, "D": 256, "BS": 16}
+    assert ("gdn_decode", {"H": 2048, "HK": 16, "R": 2, "DK": 128, "DV": 128}) in got
+    assert ("paged_attention", attn) in got and ("paged_attention_split", attn) in got
+    assert ("merge_attn_states", {"NH": 16, "D": 256}) in got
+    for T in OP_GRIDS["paged_attention_split"]:
+        assert step_dims("paged_attention_split", T, attn, got) == {"KS": attn_splits(T, 2)}
+        assert step_dims("merge_attn_states", T, {"NH": 16, "D": 256}, got) == {"KS": attn_splits(T, 2)}
+    assert step_dims("gdn_decode", 4, got[0][1], got) == {} and step_dims("paged_attention", 4, attn, got) == {}
+    assert all(g[0] == 1 and list(g) == sorted(set(g)) for g in OP_GRIDS.values())
+    cfg = SHAPES["qwen3.6-27b"]
+    assert mixer_problems(cfg, page_size=32)[1] == ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 32})
 
 
 def test_problems_include_the_prefill_gemm_of_each_packed_matrix():
