@@ -133,7 +133,7 @@ def _make_attention(torch, dims, rng, op):
     T, nh, nkv, d, bs = dims["T"], dims["NH"], dims["NKV"], dims["D"], dims["BS"]
     decode = T <= ATTN_DECODE_MAX_T
     seqs, mb = (T if decode else 1), ATTN_CONTEXT // bs
-    dev = "cuda"
+    dev = rng.device
     cache = lambda: torch.randn(seqs * mb, bs, nkv, d, device=dev, generator=rng).bfloat16()  # noqa: E731
     ts = {"q": torch.randn(T, nh, d, device=dev, generator=rng).bfloat16(), "k_cache": cache(), "v_cache": cache(),
           "block_table": torch.randperm(seqs * mb, device=dev, generator=rng).int().view(seqs, mb),

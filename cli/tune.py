@@ -176,6 +176,7 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
 
     from ninfer.cli.bench import OP_PARAMS, _time, _time_graph
     from ninfer.cli.bench_inputs import by_name, footprint, make_inputs, timing_sets
+    from ninfer.runtime.contracts import bind
     contract = be.contract(op)
     params = {**by_name(contract, problem), **OP_PARAMS.get(op, {})}
     kernels = [k for k in be.manifest.kernels.values() if k.op == op and k.arch == be.device.arch and k.dtype == "bf16"]
@@ -187,6 +188,7 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
         dims = {"T": t, **problem, **extra(t)}
         base = make_inputs(torch, contract, "bf16", dict(dims), rng, op)
         sets = timing_sets(torch, op, base, dims, rng, factor=2, most=4)
+        dims, _ = bind(op, contract, "bf16", base, params)   # every dim a constraint may name (gdn_decode's KW, ...)
         nbytes = footprint(base)
         best = None
         chosen = be.select(op, "bf16", dims).instance   # timed first: the skip rule then has a good yardstick
