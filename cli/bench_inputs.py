@@ -77,6 +77,8 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
 
     if op == "gdn_delta_rule":
         return _make_gdn(torch, dims, rng)
+    if op == "gdn_conv":
+        return _make_gdn_conv(torch, dims, rng)
     if op in ("paged_attention", "paged_attention_split"):
         return _make_attention(torch, dims, rng, op)
     if op == "gdn_decode":
@@ -104,13 +106,24 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
 def _make_gdn(torch, dims, rng):
     """One sequence of T tokens through the delta rule (prefill when T is large), real-looking gates."""
     T, hv, dk, dv = dims["T"], dims["HV"], dims["DK"], dims["DV"]
-    dev = "cuda"
+    dev = rng.device
     return {"qkv": torch.randn(T, 2 * GDN_K_HEADS * dk + hv * dv, device=dev, generator=rng).bfloat16(),
             "g": -torch.rand(T, hv, device=dev, generator=rng) * 2, "beta": torch.rand(T, hv, device=dev, generator=rng),
             "query_start": torch.tensor([0, T], dtype=torch.int32, device=dev),
             "slots": torch.zeros(1, dtype=torch.int32, device=dev),
             "state": torch.randn(2, hv, dk, dv, device=dev, generator=rng) * 0.1,
             "o": torch.empty(T, hv, dv, device=dev, dtype=torch.bfloat16)}
+
+
+def _make_gdn_conv(torch, dims, rng):
+    """One sequence of T tokens through the causal conv of the q|k|v channels, its state in slot 1 of 2."""
+    T, C, kw, dev = dims["T"], dims["C"], dims["KW"], rng.device
+    return {"x": torch.randn(T, C, device=dev, generator=rng).bfloat16(),
+            "w": (torch.randn(C, kw, device=dev, generator=rng) * 0.5).bfloat16(),
+            "query_start": torch.tensor([0, T], dtype=torch.int32, device=dev),
+            "slots": torch.ones(1, dtype=torch.int32, device=dev),
+            "conv_state": torch.randn(2, C, kw - 1, device=dev, generator=rng).bfloat16(),
+            "y": torch.empty(T, C, device=dev, dtype=torch.bfloat16)}
 
 
 def _make_gdn_decode(torch, dims, rng):

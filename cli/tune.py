@@ -1,6 +1,7 @@
-"""`ninfer-tune`: measure every applicable route of every linear, MoE-expert, norm, router, GDN decode and
-attention problem of a model on this GPU and write the GPU's own route tables, specs/tuned/<gpu>.yaml, which
-`make generate` validates (closed catalogue, like any table) and the runtime prefers when it runs on that GPU.
+"""`ninfer-tune`: measure every applicable route of every linear, MoE-expert, norm, router, GDN (conv, delta
+rule, decode step) and attention problem of a model on this GPU and write the GPU's own route tables,
+specs/tuned/<gpu>.yaml, which `make generate` validates (closed catalogue, like any table) and the runtime
+prefers when it runs on that GPU.
 
 For each (op, problem) and each T of a grid, every route instance that admits the whole span [T, next grid
 T - 1] is timed (CUDA-graph replays over input copies that exceed the L2, as `ninfer-bench ops`); the fastest
@@ -132,13 +133,15 @@ def layer_problems(cfg) -> list[tuple[str, dict]]:
 
 
 def mixer_problems(cfg, page_size: int = 16) -> list[tuple[str, dict]]:
-    """The token mixers' ops with several routes: the fused GDN decode step ({H, HK, R, DK, DV}) and the paged
-    attention of prefill and decode with its flash-decoding pair ({NH, NKV, D, BS} at the engine's page size;
-    merge_attn_states {NH, D})."""
+    """The token mixers' ops with several routes: GDN's prefill conv ({C, KW}) and delta rule ({HV, DK, DV}: one
+    sequence of T tokens) and its fused decode step ({H, HK, R, DK, DV}); the paged attention of prefill and
+    decode with its flash-decoding pair ({NH, NKV, D, BS} at the engine's page size; merge_attn_states {NH, D})."""
     out = []
     if not all(cfg.is_attention(i) for i in range(cfg.layers)):
-        out.append(("gdn_decode", {"H": cfg.hidden, "HK": cfg.k_heads, "R": cfg.v_heads // cfg.k_heads,
-                                   "DK": cfg.k_dim, "DV": cfg.v_dim}))
+        out += [("gdn_conv", {"C": cfg.conv_channels, "KW": cfg.conv_width}),
+                ("gdn_delta_rule", {"HV": cfg.v_heads, "DK": cfg.k_dim, "DV": cfg.v_dim}),
+                ("gdn_decode", {"H": cfg.hidden, "HK": cfg.k_heads, "R": cfg.v_heads // cfg.k_heads,
+                                "DK": cfg.k_dim, "DV": cfg.v_dim})]
     if any(cfg.is_attention(i) for i in range(cfg.layers)):
         attn = {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim, "BS": page_size}
         out += [("paged_attention", attn), ("paged_attention_split", dict(attn)),
@@ -267,8 +270,8 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
               help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
 def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> None:
-    """Time every route of every linear, expert, norm, router, GDN decode and attention problem of a model on this
-    GPU; write specs/tuned/<gpu>.yaml."""
+    """Time every route of every linear, expert, norm, router, GDN and attention problem of a model on this GPU;
+    write specs/tuned/<gpu>.yaml."""
     from ninfer.runtime.cuda import gpu_available
     from ninfer.runtime.paths import ROOT
     if not gpu_available():

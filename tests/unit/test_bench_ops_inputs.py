@@ -87,3 +87,18 @@ def test_gdn_decode_inputs_run_and_count_the_states_twice():
     once = sum(t.numel() * t.element_size() for t in ts.values())
     states = sum(ts[k].numel() * ts[k].element_size() for k in ("state", "conv_state"))
     assert op_bytes("gdn_decode", ts, dims) == once + states
+
+
+def test_gdn_prefill_inputs_are_one_sequence_and_run():
+    """gdn_conv and gdn_delta_rule as ninfer-tune times them: one sequence of T tokens, its state in one slot."""
+    be = ReferenceBackend()
+    rng = torch.Generator().manual_seed(0)
+    conv = make_inputs(torch, be.contract("gdn_conv"), "bf16", {"T": 37, "C": 96, "KW": 4}, rng, "gdn_conv")
+    state0 = conv["conv_state"].clone()
+    be.run("gdn_conv", **conv)
+    assert torch.isfinite(conv["y"].float()).all()
+    assert torch.equal(conv["conv_state"][0], state0[0]) and torch.equal(conv["conv_state"][1], conv["x"][-3:].T)
+    gdn = make_inputs(torch, be.contract("gdn_delta_rule"), "bf16", {"T": 37, "HV": 32, "DK": 16, "DV": 16}, rng,
+                      "gdn_delta_rule")
+    be.run("gdn_delta_rule", **gdn, num_k_heads=16, scale=16 ** -0.5)
+    assert torch.isfinite(gdn["o"].float()).all()
