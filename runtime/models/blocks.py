@@ -67,11 +67,9 @@ MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", 65)
 # Attention of steps up to ATTN_SPLIT_MAX_T tokens (decode batches) as flash decoding: paged_attention_split cuts each
 # token's keys into attn_splits(T, kv heads) splits, one block each, and merge_attn_states combines them (and applies
 # the output gate), where paged_attention ran one cluster of 8 blocks per (token, kv head): 16 (35B-A3B) to 64 SMs
-# busy. H200, q4, 8K context (PERF_NOTES.md, session 10), with up to 256 blocks per step: 35B-A3B decode C=1 354.8 ->
-# 380.9 tok/s, C=8 1,446 -> 1,540; 27B C=1 158.1 -> 158.7, C=8 648.5 -> 660.8. With the staged merge and
-# attn_splits' 128 blocks / at most 32 splits (session 11, one A/B run, off in brackets): 27B C=1 163.3 (151.2),
-# C=8 637.7 (643.7); 35B-A3B C=1 403.6 (376.0), C=8 1,604 (1,499); 256/64 and 512/64 were no better.
-# NINFER_ATTN_SPLIT_MAX_T=off turns it off.
+# busy. H200, q4, 8K context, attn_splits' 128 blocks / at most 32 splits (PERF_NOTES.md, session 11, one A/B run,
+# off in brackets): 27B C=1 163.3 (151.2), C=8 637.7 (643.7); 35B-A3B C=1 403.6 (376.0), C=8 1,604 (1,499);
+# 256/64 and 512/64 were no better. NINFER_ATTN_SPLIT_MAX_T=off turns it off.
 ATTN_SPLIT_MAX_T = _env_tokens("NINFER_ATTN_SPLIT_MAX_T", 8) or 0
 # Blocks per step to aim for and the most splits per token (NINFER_ATTN_SPLIT_BLOCKS / NINFER_ATTN_SPLIT_MAX_KS: A/B runs).
 ATTN_SPLIT_BLOCKS = _env_tokens("NINFER_ATTN_SPLIT_BLOCKS", 128) or 128
