@@ -38,7 +38,9 @@ CASES = [
     # prefill decodes each packed matrix into a bf16 scratch (T = its rows): 27B gate_up and down
     *((f"dequant_{f}", {"K": 5120}, [34816]) for f in ("q4", "q5", "q6", "w8", "fp8")),
     ("dequant_q4", {"K": 17408}, [5120]),
-    ("gdn_delta_rule", {"HV": 48, "DK": 128, "DV": 128}, [1, 8, 31, 32, 1024]),   # one sequence of T tokens
+    # one sequence of T tokens: 27B, then 35B-A3B (4096: a prefill chunk)
+    ("gdn_delta_rule", {"HV": 48, "DK": 128, "DV": 128}, [1, 8, 31, 32, 1024, 4096]),
+    ("gdn_delta_rule", {"HV": 32, "DK": 128, "DV": 128}, [4096]),
     # the fused GDN decode step of T sequences: 27B, then 35B-A3B
     ("gdn_decode", {"H": 5120, "HK": 16, "R": 3, "DK": 128, "DV": 128}, [1, 2, 4, 8]),
     ("gdn_decode", {"H": 2048, "HK": 16, "R": 2, "DK": 128, "DV": 128}, [1, 2, 4, 8]),

@@ -107,7 +107,8 @@ def build_manifest_and_sources(specs: SpecSet, templates: Path) -> tuple[dict, d
                         tile = route.tiles[tid]
                         symbol = symbol_for(op_name, rname, tid, dtype)
                         rel = f"{arch_name}/{op_name}/{rname}.{tid}.{dtype}.cu"
-                        ctx = {"symbol": symbol, "tile": tile, "dtype": {"name": dtype, "ctype": DTYPES[dtype]},
+                        ctx = {"symbol": symbol, "pre_symbol": symbol + "_pre", "tile": tile,
+                               "dtype": {"name": dtype, "ctype": DTYPES[dtype]},
                                "arch": {"name": arch_name, "cc": arch.cc, "features": arch.features},
                                "op": {"name": op_name, "params": op.params}, "route": rname}
                         where = f"{route.file}: route {op_name}/{rname} tile {tid} ({arch_name}, {dtype})"
@@ -119,7 +120,10 @@ def build_manifest_and_sources(specs: SpecSet, templates: Path) -> tuple[dict, d
                             line_map = [[a + 1, f, b, c] for a, f, b, c in line_map]
                         sources[rel] = text
                         low = route.lowered[tid]
-                        kernels[f"{arch_name}/{op_name}/{rname}.{tid}/{dtype}"] = {
+                        if "pre" in low and f"{symbol}_pre(" not in text:
+                            raise RenderError(f"{where}: the route launches a pre kernel, but the template defines "
+                                              f"no {symbol}_pre (use {{{{ pre_symbol }}}})")
+                        record = kernels[f"{arch_name}/{op_name}/{rname}.{tid}/{dtype}"] = {
                             "op": op_name, "route": rname, "tile": tid, "tile_params": tile, "arch": arch_name,
                             "dtype": dtype, "symbol": symbol, "source": rel, "template": route.template,
                             "spec": route.file, "source_sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -127,6 +131,10 @@ def build_manifest_and_sources(specs: SpecSet, templates: Path) -> tuple[dict, d
                             "constraints": low["constraints"], "line_map": line_map,
                             # launched with programmatic stream serialization on sm_90+ (_pdl.cuh.j2)
                             "pdl": "nf_pdl_enter();" in text}
+                        if "pre" in low:
+                            record["pre"] = {"symbol": symbol + "_pre", **low["pre"]}
+                        if "workspace" in low:
+                            record["workspace"] = low["workspace"]
     tables = _tables(specs.tables)
     tuned = {gpu: {"arch": arch, "tables": _tables(ts)[arch]} for gpu, (arch, ts) in sorted(specs.tuned.items()) if ts}
     ops = {name: {"summary": op.doc["summary"], "formula": op.doc["formula"], "dims": list(op.dims),

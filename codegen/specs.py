@@ -68,7 +68,9 @@ class Route:
     block: list[str]
     smem: str
     constraints: list[str]
-    lowered: dict = field(default_factory=dict)   # tile -> {grid, block, smem, constraints, args}
+    pre: dict | None = None       # {grid, block, smem}: a kernel `<symbol>_pre` launched first with the same args
+    workspace: str | None = None  # bytes of scratch global memory the route's kernels share (the `workspace` arg)
+    lowered: dict = field(default_factory=dict)   # tile -> {grid, block, smem, constraints, args[, pre, workspace]}
 
 
 @dataclass
@@ -225,10 +227,18 @@ def _lower_route(r: Route, op: Op, tile: dict, file: str, path: str) -> dict:
            "block": [low(b, f"{path}.launch.block[{i}]", set()) for i, b in enumerate(r.block)],
            "smem": low(r.smem, f"{path}.launch.smem", set()),
            "constraints": [low(c, f"{path}.constraints[{i}]") for i, c in enumerate(r.constraints)], "args": []}
+    if r.pre is not None:
+        out["pre"] = {"grid": [low(g, f"{path}.launch.pre.grid[{i}]", names | {"SMS"}) for i, g in enumerate(r.pre["grid"])],
+                      "block": [low(b, f"{path}.launch.pre.block[{i}]", set()) for i, b in enumerate(r.pre["block"])],
+                      "smem": low(r.pre["smem"], f"{path}.launch.pre.smem", set())}
+    if r.workspace is not None:
+        out["workspace"] = low(r.workspace, f"{path}.workspace")
     for i, a in enumerate(r.args):
         if isinstance(a, str):
-            _need(a in op.inputs or a in op.outputs or a in op.states or a in dims or a in op.params, file, f"{path}.args[{i}]",
-                  f"unknown argument {a!r} (allowed: tensors, dims and params of op {op.name})")
+            ok = a in op.inputs or a in op.outputs or a in op.states or a in dims or a in op.params
+            ok = ok or (a == "workspace" and r.workspace is not None)
+            _need(ok, file, f"{path}.args[{i}]", f"unknown argument {a!r} (allowed: tensors, dims and params of op "
+                  f"{op.name}, and `workspace` when the route declares one)")
             out["args"].append(a)
         else:
             _keys(a, file, f"{path}.args[{i}]", {"tmap", "box"})
@@ -261,7 +271,8 @@ def _load_op_routes(data: dict, file: str, op: Op, archs: dict[str, Arch], templ
     _need(isinstance(data["routes"], list) and data["routes"], file, "routes", "expected a non-empty list")
     for i, r in enumerate(data["routes"]):
         p = f"routes[{i}]"
-        _keys(r, file, p, {"name", "template", "archs", "dtypes", "tiles", "args", "launch"}, {"requires", "constraints", "notes"})
+        _keys(r, file, p, {"name", "template", "archs", "dtypes", "tiles", "args", "launch"},
+              {"requires", "constraints", "notes", "workspace"})
         name = r["name"]
         _need(isinstance(name, str) and NAME_RE.match(name), file, f"{p}.name", "expected a lower_snake_case route name")
         _need(name not in routes, file, f"{p}.name", f"duplicate route name {name!r} for op {op.name}")
@@ -271,13 +282,17 @@ def _load_op_routes(data: dict, file: str, op: Op, archs: dict[str, Arch], templ
         rdtypes = _str_list(r["dtypes"], file, f"{p}.dtypes", set(op.dtypes), "dtype")
         requires = _str_list(r.get("requires", []), file, f"{p}.requires")
         launch = r["launch"]
-        _keys(launch, file, f"{p}.launch", {"grid", "block", "smem"})
-        for k in ("grid", "block"):
-            _need(isinstance(launch[k], list) and len(launch[k]) == 3, file, f"{p}.launch.{k}", "expected 3 formulas [x, y, z]")
+        _keys(launch, file, f"{p}.launch", {"grid", "block", "smem"}, {"pre"})
+        pre = launch.get("pre")
+        if pre is not None:
+            _keys(pre, file, f"{p}.launch.pre", {"grid", "block", "smem"})
+        for where, lk in [("launch", launch), *([("launch.pre", pre)] if pre is not None else [])]:
+            for k in ("grid", "block"):
+                _need(isinstance(lk[k], list) and len(lk[k]) == 3, file, f"{p}.{where}.{k}", "expected 3 formulas [x, y, z]")
         tiles = r["tiles"]
         _need(isinstance(tiles, dict) and tiles, file, f"{p}.tiles", "expected a non-empty mapping tile-id: {params}")
         route = Route(op.name, name, file, r["template"], rarchs, rdtypes, requires, {}, r["args"],
-                      launch["grid"], launch["block"], launch["smem"], r.get("constraints", []))
+                      launch["grid"], launch["block"], launch["smem"], r.get("constraints", []), pre, r.get("workspace"))
         _need(isinstance(route.args, list), file, f"{p}.args", "expected a list")
         _need(isinstance(route.constraints, list), file, f"{p}.constraints", "expected a list of formulas")
         for tid, tile in tiles.items():
@@ -287,11 +302,13 @@ def _load_op_routes(data: dict, file: str, op: Op, archs: dict[str, Arch], templ
                   file, tp, "expected a mapping of integer tile params")
             route.tiles[tid] = tile
             low = route.lowered[tid] = _lower_route(route, op, tile, file, p)
-            threads = 1
-            for b in low["block"]:
-                threads *= int(eval(b))  # noqa: S307 (constants only after lowering)
-            _need(0 < threads <= 1024, file, f"{tp}", f"block of {threads} threads breaks the limit of 1024")
-            smem = int(eval(low["smem"]))  # noqa: S307
+            launches = [low, *([low["pre"]] if "pre" in low else [])]
+            for lk in launches:
+                threads = 1
+                for b in lk["block"]:
+                    threads *= int(eval(b))  # noqa: S307 (constants only after lowering)
+                _need(0 < threads <= 1024, file, f"{tp}", f"block of {threads} threads breaks the limit of 1024")
+            smem = max(int(eval(lk["smem"])) for lk in launches)  # noqa: S307
             for a in rarchs:
                 arch = archs[a]
                 lacking = [f for f in requires if f not in arch.features]

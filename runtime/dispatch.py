@@ -112,6 +112,7 @@ class CudaBackend(Backend):
         self.device = device(device_index)
         self._modules: dict[str, object] = {}
         self._plans: OrderedDict = OrderedDict()
+        self._workspace = None
         tuned = self.manifest.data.get("tuned", {})
         if tuned and not self.manifest.tuned_for(self.device.name, self.device.arch):
             import sys
@@ -152,17 +153,27 @@ class CudaBackend(Backend):
             self._plans.popitem(last=False)
         return launch
 
-    def module(self, kernel) -> object:
+    def module(self, kernel, pre: bool = False) -> object:
+        """The loaded kernel function (pre: the route's `<symbol>_pre`, from the same cubin)."""
         from .cubins import check_arch, compile_kernel
         from .cuda import Module
-        mod = self._modules.get(kernel.key)
+        key = kernel.key + ("/pre" if pre else "")
+        mod = self._modules.get(key)
         if mod is None:
             path, _, _ = compile_kernel(kernel.data)  # cached by `make build`; compiled here only if missing
             cubin = path.read_bytes()
             check_arch(cubin, kernel.data, self.device.cc)
-            smem = int(evaluate(kernel.smem, {}))
-            mod = self._modules[kernel.key] = Module(cubin, kernel.symbol, smem)
+            launch = kernel.pre if pre else kernel.data
+            mod = self._modules[key] = Module(cubin, launch["symbol"], int(evaluate(launch["smem"], {})))
         return mod
+
+    def workspace(self, nbytes: int):
+        """Scratch memory for routes that declare a workspace. One buffer serves every plan: launches are
+        stream-ordered, so a route's pre kernel and main kernel finish with it before the next route starts.
+        Growing it leaves the old buffer to the plans that hold it."""
+        if self._workspace is None or self._workspace.numel() < nbytes:
+            self._workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=f"cuda:{self.device.index}")
+        return self._workspace
 
     def select(self, op: str, dtype: str, dims: dict, route: str | None = None):
         """The kernel for this exact problem and T: from the route table, or a named `route.tile` (tests, tuning)."""
@@ -191,9 +202,12 @@ class CudaBackend(Backend):
             if not evaluate(c, env):
                 shown = ", ".join(f"{k}={v}" for k, v in dims.items())
                 raise RouteError(f"{op}: route {kernel.instance} ({kernel.arch}) requires {c}, which fails for {shown}")
-        values = []
+        values, hold = [], None
         for a in kernel.args:
-            if isinstance(a, dict):
+            if a == "workspace":
+                hold = self.workspace(int(evaluate(kernel.workspace, env)))
+                values.append(ctypes.c_uint64(hold.data_ptr()))
+            elif isinstance(a, dict):
                 t = tensors[a["tmap"]]
                 rows, cols = t.shape[0], t.shape[-1]
                 values.append(encode_tmap_2d(t.data_ptr(), rows, cols, a["box"][0], a["box"][1]))
@@ -209,8 +223,25 @@ class CudaBackend(Backend):
         block = tuple(int(evaluate(b, env)) for b in kernel.block)
         pdl = self.pdl and kernel.data.get("pdl", False) and self.device.cc >= 90
         launch = Launch(self.module(kernel), grid, block, int(evaluate(kernel.smem, env)), values, pdl)
-        launch.kernel, launch.dims = kernel, dims
+        if "pre" in kernel.data:  # the pre kernel takes the same arguments and runs first
+            pre = kernel.pre
+            first = Launch(self.module(kernel, pre=True), tuple(int(evaluate(g, env)) for g in pre["grid"]),
+                           tuple(int(evaluate(b, env)) for b in pre["block"]), int(evaluate(pre["smem"], env)),
+                           values, pdl)
+            launch = Sequence(first, launch)
+        launch.kernel, launch.dims, launch.workspace = kernel, dims, hold
         return launch
+
+
+class Sequence:
+    """Launches issued one after another on the same stream, called like one Launch."""
+
+    def __init__(self, *launches):
+        self.launches = launches
+
+    def __call__(self, stream_handle: int | None = None) -> None:
+        for launch in self.launches:
+            launch(stream_handle)
 
 
 def backend(name: str = "auto", manifest: Manifest | None = None) -> Backend:

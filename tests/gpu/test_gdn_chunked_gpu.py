@@ -1,12 +1,14 @@
-"""gdn_delta_rule's chunked (WY) route on the GPU against the reference backend run on cloned GPU tensors, under
+"""gdn_delta_rule's chunked (WY) routes (chunked: one kernel; chunked_scan: the chunk matrices in a pre kernel,
+then the state scan) on the GPU against the reference backend run on cloned GPU tensors, under
 the op's gdn_state_fp32 preset for the outputs o and the final state: one long sequence (exactly 64, 65, 127,
 128 and 1000 tokens), several sequences of mixed lengths (empty, 1, 63, 64, 65, ...), the Qwen3.6-27B shape
 (HV=48, HK=16, DK=DV=128) and small odd ones (DK < 128, DV not a multiple of the block's columns), a nonzero
 initial state, realistic gates, states carried across calls that alternate routes, and the route table at its
 recurrent -> chunked boundary. GPU tests skip cleanly without a GPU (the `gpu` marker).
 
-`chunked_gdn` is the chunked algebra in plain torch; the CPU test below checks it against the token
-recurrence (the op's reference), which is what the kernel's derivation rests on."""
+`chunked_gdn` is the chunked algebra in plain torch and `chunked_scan_gdn` the chunked_scan route's split of it;
+the CPU test below checks both against the token recurrence (the op's reference), which is what the kernels'
+derivations rest on."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,7 @@ SHAPES = {
     "odd": (1, 3, 96, 40),
     "ragged": (1, 2, 126, 34),     # DK not a multiple of 8 or 16, DV not a multiple of 8
 }
-ROUTES = ["chunked.v32", "chunked.v16"]
+ROUTES = ["chunked.v32", "chunked.v16", "chunked_scan.v32", "chunked_scan.v16"]
 
 
 # ------------------------------------------------------------------------------ the chunked algebra, CPU
@@ -67,6 +69,61 @@ def chunked_gdn(qkv, g, beta, query_start, slots, state, num_k_heads, scale, eps
     return o, state
 
 
+def chunked_scan_gdn(qkv, g, beta, query_start, slots, state, num_k_heads, scale, eps, chunk=64, pieces=False):
+    """The chunked_scan route's split of the same algebra: per chunk, from q, k, g and beta only,
+    T' = (I + A)^-1 diag(beta), P = (Q K^T) o e^{G_i-G_j} (j <= i), ek = e^G rk, eq = e^G rq, dk = rk e^{G_last-G},
+    eL = e^{G_last} (raw rows, norms as scales); then the scan R' = V - ek (K S), U = T' R', o = eq (Q S) + P U,
+    S' = eL S + K^T (dk U). pieces=True rounds every fp32 factor of a product as the kernel does (bf16 hi + lo,
+    three of the four products) and k, q to bf16 raw rows."""
+    state = state.clone()
+    wide = state.dtype
+    T = qkv.shape[0]
+    hv, dk, dv = state.shape[1:]
+    hk = num_k_heads
+
+    def split(x):  # x ~ hi + lo as bf16 pieces
+        hi = x.to(torch.bfloat16).to(wide)
+        return hi, (x - hi).to(torch.bfloat16).to(wide)
+
+    def mul3(a, b):  # the kernel's fp32 x fp32 product on bf16 tensor cores
+        if not pieces:
+            return a @ b
+        (ah, al), (bh, bl) = split(a), split(b)
+        return ah @ bh + ah @ bl + al @ bh
+
+    x = qkv.to(wide)
+    raw_q = x[:, : hk * dk].reshape(T, hk, dk).repeat_interleave(hv // hk, dim=1)
+    raw_k = x[:, hk * dk: 2 * hk * dk].reshape(T, hk, dk).repeat_interleave(hv // hk, dim=1)
+    rq = torch.rsqrt((raw_q * raw_q).sum(-1) + eps) * scale            # [T, HV]
+    rk = torch.rsqrt((raw_k * raw_k).sum(-1) + eps)
+    v = x[:, 2 * hk * dk:].reshape(T, hv, dv)
+    o = torch.zeros(T, hv, dv, dtype=wide)
+    qs = query_start.tolist()
+    for s in range(len(qs) - 1):
+        a, b, slot = qs[s], qs[s + 1], int(slots[s])
+        S = state[slot]
+        for c0 in range(a, b, chunk):
+            c1 = min(c0 + chunk, b)
+            n = c1 - c0
+            K, Q, V = (t[c0:c1].transpose(0, 1) for t in (raw_k, raw_q, v))
+            RK, RQ = rk[c0:c1].T, rq[c0:c1].T                              # [HV, n]
+            G = g[c0:c1].T.to(wide).cumsum(-1)
+            bt = beta[c0:c1].T.to(wide)
+            incl = torch.ones(n, n, dtype=torch.bool).tril()
+            E = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~incl, float("-inf")))
+            A = (bt * RK)[:, :, None] * RK[:, None, :] * (K @ K.mT) * E * (~torch.eye(n, dtype=torch.bool))
+            Tp = torch.linalg.inv(torch.eye(n, dtype=wide) + A) * bt[:, None, :]
+            P = RQ[:, :, None] * RK[:, None, :] * (Q @ K.mT) * E
+            ek, eq = torch.exp(G) * RK, torch.exp(G) * RQ
+            dkk, eL = RK * torch.exp(G[:, -1:] - G), torch.exp(G[:, -1])
+            Rp = V - ek[:, :, None] * mul3(K, S)
+            U = mul3(Tp, Rp)
+            o[c0:c1] = (eq[:, :, None] * mul3(Q, S) + mul3(P, U)).transpose(0, 1)
+            S = eL[:, None, None] * S + mul3(K.mT, dkk[:, :, None] * U)
+        state[slot] = S
+    return o, state
+
+
 def cpu_inputs(shape, runs, seed, dtype=torch.float32):
     hk, hv, dk, dv = shape
     gen = torch.Generator().manual_seed(seed)
@@ -89,11 +146,12 @@ def test_chunked_algebra_matches_recurrence_cpu(wide):
     qkv, g, beta, qs, slots, state = cpu_inputs((hk, hv, dk, dv), [0, 1, 63, 64, 65, 130], seed=1, dtype=wide)
     args = dict(query_start=qs, slots=slots, num_k_heads=hk, scale=dk ** -0.5, eps=1e-6)
     ref = reference.gdn_delta_rule(qkv.to(wide), g.to(wide), beta.to(wide), state=state, **args)
-    o, st = chunked_gdn(qkv, g, beta, state=state, **args)
     tol = 1e-5 if wide == torch.float32 else 1e-12
-    assert (o - ref["o"]).abs().max() <= tol
-    assert (st - ref["state"]).abs().max() <= tol
-    assert torch.equal(st[slots[0].long()], state[slots[0].long()])  # the empty run leaves its slot as is
+    for form in (chunked_gdn, chunked_scan_gdn):
+        o, st = form(qkv, g, beta, state=state, **args)
+        assert (o - ref["o"]).abs().max() <= tol, form.__name__
+        assert (st - ref["state"]).abs().max() <= tol, form.__name__
+        assert torch.equal(st[slots[0].long()], state[slots[0].long()])  # the empty run leaves its slot as is
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -161,20 +219,22 @@ def test_mixed_sequences(be, route, shape, runs):
 
 
 @gpu
+@pytest.mark.parametrize("route", ["chunked.v32", "chunked_scan.v32"])
 @pytest.mark.parametrize("gates", ["long", "fast"])
 @pytest.mark.parametrize("shape", ["27b", "odd"])
-def test_gate_extremes(be, gates, shape):
-    check(be, delta_inputs(SHAPES[shape], [300, 33], seed=5, gates=gates), route="chunked.v32",
+def test_gate_extremes(be, route, gates, shape):
+    check(be, delta_inputs(SHAPES[shape], [300, 33], seed=5, gates=gates), route=route,
           what=f"{shape} gates={gates}")
 
 
 @gpu
-def test_empty_runs_and_unused_slots_untouched(be):
+@pytest.mark.parametrize("route", ["chunked.v32", "chunked_scan.v32"])
+def test_empty_runs_and_unused_slots_untouched(be, route):
     """Slots not named by the call, and those of empty runs, keep their exact bits."""
     runs = [70, 0, 0, 5]
     ts = delta_inputs(SHAPES["small"], runs, seed=9)
     before = ts["state"].clone()
-    be.run("gdn_delta_rule", route="chunked.v32", **ts)
+    be.run("gdn_delta_rule", route=route, **ts)
     torch.cuda.synchronize()
     used = {int(s) for s, n in zip(ts["slots"].tolist(), runs) if n > 0}
     for slot in range(before.shape[0]):
@@ -199,7 +259,7 @@ def chunked_boundary(be):
     """The first T of the default table's chunked span (the recurrent -> chunked boundary)."""
     hk, hv, dk, dv = SHAPES["27b"]
     spans = be.manifest.table(be.device.arch, "gdn_delta_rule", "bf16", {"HV": hv, "DK": dk, "DV": dv})
-    starts = [lo for lo, _, use in spans if use.startswith("chunked.")]
+    starts = [lo for lo, _, use in spans if use.startswith("chunked")]
     assert starts, f"no chunked span in the table: {spans}"
     return starts[0]
 
@@ -214,4 +274,4 @@ def test_route_table_boundary(be, shape, delta, mixed):
     T = b + delta
     runs = [T] if not mixed else [1, 2, T - 3 - T // 3, T // 3]
     used = check(be, delta_inputs(SHAPES[shape], runs, seed=T * 3 + mixed), what=f"{shape} T={T} runs={runs}")
-    assert used.startswith("chunked.") == (T >= b), used
+    assert used.startswith("chunked") == (T >= b), used

@@ -192,6 +192,30 @@ def test_block_over_1024_threads(spec_tree):
     fails(spec_tree, "routes/add.yaml: routes[0].tiles.t256: block of 2048 threads breaks the limit of 1024")
 
 
+def test_workspace_argument_needs_a_declared_workspace(spec_tree):
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["args"].append("workspace"))
+    fails(spec_tree, "routes/add.yaml: routes[0].args[5]: unknown argument 'workspace' (allowed: tensors, dims and params "
+                     "of op add, and `workspace` when the route declares one)")
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0].update(workspace="T * H * 4"))
+    load_specs(*spec_tree)
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0].update(workspace="T * Q"))
+    fails(spec_tree, "routes[0].workspace: in 'T * Q': unknown name 'Q'")
+
+
+def test_pre_launch_is_checked_like_the_main_one(spec_tree):
+    specs, _ = spec_tree
+    pre = {"grid": ["T", 1, 1], "block": ["tile.threads", 1, 1], "smem": "0"}
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["launch"].update(pre=dict(pre)))
+    load_specs(*spec_tree)
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["launch"].update(pre={**pre, "block": [2048, 1, 1]}))
+    fails(spec_tree, "routes/add.yaml: routes[0].tiles.t256: block of 2048 threads breaks the limit of 1024")
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["launch"].update(pre={**pre, "smem": "tile.threads * 1024"}))
+    fails(spec_tree, "routes/add.yaml: routes[0].tiles.t256: tile needs 262144 bytes of shared memory; sm_80 allows at most 166912 per block")
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["launch"].update(pre={"grid": ["T", 1]}))
+    fails(spec_tree, "routes[0].launch.pre")
+
+
 def test_render_error_names_template_and_line_and_leaves_tree(spec_tree, tmp_path):
     specs, templates = spec_tree
     out = tmp_path / "generated"
