@@ -25,7 +25,7 @@ SHAPES = {
     "odd": (1, 3, 96, 40),
     "ragged": (1, 2, 126, 34),     # DK not a multiple of 8 or 16, DV not a multiple of 8
 }
-ROUTES = ["chunked.v32", "chunked.v16", "chunked_scan.v32", "chunked_scan.v16"]
+ROUTES = ["chunked.v32", "chunked.v16", "chunked_scan.v32", "chunked_scan.v16", "chunked_scan.v16o3"]
 
 
 # ------------------------------------------------------------------------------ the chunked algebra, CPU
