@@ -264,7 +264,8 @@ def _graph_profile(torch, eng, live, step_secs: float, steps: int = 8) -> None:
 
 
 def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_prompt: int, steps: int,
-                json_out: str | None, fmt: str = "bf16", profile: int = 0, prefill_chunk: int = 4096) -> None:
+                json_out: str | None, fmt: str = "bf16", profile: int = 0, prefill_chunk: int = 4096,
+                prefill_reps: int = 3) -> None:
     import time
 
     import torch
@@ -288,7 +289,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
     def ids(n):
         return torch.randint(0, TOKEN_DOMAIN, (n,), generator=rng).tolist()
 
-    for n in prompts:
+    def prefill_secs(n):
         seq = eng.open(ids(n), max_new=1)
         try:
             torch.cuda.synchronize()
@@ -296,9 +297,14 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             while not eng.prefill(seq):
                 pass
             torch.cuda.synchronize()
-            secs = time.perf_counter() - t0
+            return time.perf_counter() - t0
         finally:
             eng.release(seq)
+
+    for n in prompts:
+        # the first prefill of a length pays its plans, module loads and allocations: warm up, then the median
+        prefill_secs(n)
+        secs = sorted(prefill_secs(n) for _ in range(prefill_reps))[prefill_reps // 2]
         fig = model_figures(cfg, n // 2, fmt)
         tps = n / secs
         frac = tps * fig["flops_per_token"] / (gemm_tflops * 1e12)
@@ -369,15 +375,18 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
 @click.option("--prefill-chunk", type=click.IntRange(1), default=4096, show_default=True,
               help="prompt tokens per prefill step (each step decodes every packed matrix once for the GEMMs; "
               "ninfer-serve's default while no other request decodes)")
+@click.option("--prefill-reps", type=click.IntRange(1), default=3, show_default=True,
+              help="timed prefills of each prompt length (the median is reported), after one untimed warm-up")
 @click.option("--json", "json_out", type=click.Path())
-def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, prefill_chunk, json_out) -> None:
+def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, prefill_chunk, prefill_reps,
+              json_out) -> None:
     """Prefill and decode tok/s of the whole model at real shapes with synthetic weights."""
     from ninfer.runtime.cuda import gpu_available
     if not gpu_available():
         click.echo("ninfer-bench model: needs a CUDA GPU (none found)", err=True)
         sys.exit(2)
     bench_model(shape, [int(x) for x in prompts.split(",")], [int(x) for x in concurrency.split(",")],
-                decode_prompt, steps, json_out, fmt, profile, prefill_chunk)
+                decode_prompt, steps, json_out, fmt, profile, prefill_chunk, prefill_reps)
 
 
 main.add_command(serve_cmd)   # `ninfer-bench serve` (cli/bench_serve.py)

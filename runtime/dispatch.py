@@ -57,6 +57,17 @@ def _wants_dims(fn) -> bool:
     return "dims" in inspect.signature(fn).parameters
 
 
+def forced_routes(text: str) -> dict[str, str]:
+    """"op=route.tile,op2=route.tile" -> {op: route.tile} (empty text: none)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        op, sep, inst = item.partition("=")
+        if not (sep and op and inst.count(".") == 1):
+            raise ValueError(f"NINFER_ROUTES: {item!r} is not op=route.tile (e.g. gdn_delta_rule=chunked.v32)")
+        out[op] = inst
+    return out
+
+
 class Backend:
     name = "?"
 
@@ -175,11 +186,15 @@ class CudaBackend(Backend):
             self._workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=f"cuda:{self.device.index}")
         return self._workspace
 
+    # NINFER_ROUTES="op=route.tile,..." runs those ops on one route instance at every T (whole-model A/B runs)
+    forced = forced_routes(os.environ.get("NINFER_ROUTES", ""))
+
     def select(self, op: str, dtype: str, dims: dict, route: str | None = None):
         """The kernel for this exact problem and T: from the route table, or a named `route.tile` (tests, tuning)."""
         contract = self.contract(op)
         problem = {d: dims[d] for d in contract["problem"]}
         arch = self.device.arch
+        route = route or self.forced.get(op)
         if route is None:
             return self.manifest.resolve(arch, op, dtype, problem, dims["T"], self.device.name)
         return self.manifest.kernel(arch, op, route, dtype)

@@ -255,6 +255,14 @@ def test_state_carried_across_routes(be, shape):
                         [[100, 64, 37], [2, 70, 30], [1, 1, 1], [1, 1, 1], [65, 1, 129]], shape)
 
 
+@gpu
+def test_forced_route_at_every_T(be, monkeypatch):
+    """NINFER_ROUTES (CudaBackend.forced) puts the op on one route instance whatever the table says."""
+    monkeypatch.setattr(type(be), "forced", {"gdn_delta_rule": "chunked.v16"})
+    for runs in ([5], [300]):
+        assert check(be, delta_inputs(SHAPES["small"], runs, seed=3), what=f"forced runs={runs}") == "chunked.v16"
+
+
 def chunked_boundary(be):
     """The first T of the default table's chunked span (the recurrent -> chunked boundary)."""
     hk, hv, dk, dv = SHAPES["27b"]

@@ -212,3 +212,13 @@ def test_split_attention_and_merge_compose_to_gated_paged_attention(be, ks):
     empty = part["m"][0] == float("-inf")
     assert empty.sum() == nh * max(0, ks - 2)   # token 0 sees 20 keys: 2 chunks
     assert not part["l"][0][empty].any() and not part["part_o"][0][empty].any()
+
+
+def test_forced_routes_parse_and_refuse_malformed_entries():
+    from ninfer.runtime.dispatch import forced_routes
+    assert forced_routes("") == {}
+    assert forced_routes("gdn_delta_rule=chunked.v32, linear=wgmma.m128n256k64s4c2") == {
+        "gdn_delta_rule": "chunked.v32", "linear": "wgmma.m128n256k64s4c2"}
+    for bad in ("gdn_delta_rule", "gdn_delta_rule=chunked", "=chunked.v32"):
+        with pytest.raises(ValueError, match="is not op=route.tile"):
+            forced_routes(bad)
