@@ -263,10 +263,10 @@ def test_forced_route_at_every_T(be, monkeypatch):
         assert check(be, delta_inputs(SHAPES["small"], runs, seed=3), what=f"forced runs={runs}") == "chunked.v16"
 
 
-def chunked_boundary(be):
-    """The first T of the default table's chunked span (the recurrent -> chunked boundary)."""
-    hk, hv, dk, dv = SHAPES["27b"]
-    spans = be.manifest.table(be.device.arch, "gdn_delta_rule", "bf16", {"HV": hv, "DK": dk, "DV": dv})
+def chunked_boundary(be, shape):
+    """The first T of a chunked span in the table this GPU resolves through (the recurrent -> chunked boundary)."""
+    hk, hv, dk, dv = SHAPES[shape]
+    spans = be.manifest.table(be.device.arch, "gdn_delta_rule", "bf16", {"HV": hv, "DK": dk, "DV": dv}, be.device.name)
     starts = [lo for lo, _, use in spans if use.startswith("chunked")]
     assert starts, f"no chunked span in the table: {spans}"
     return starts[0]
@@ -278,7 +278,7 @@ def chunked_boundary(be):
 @pytest.mark.parametrize("mixed", [False, True], ids=["one_run", "mixed_runs"])
 def test_route_table_boundary(be, shape, delta, mixed):
     """No route= argument: T = b-1 takes a non-chunked route, T = b and b+1 the chunked one; both match."""
-    b = chunked_boundary(be)
+    b = chunked_boundary(be, shape)
     T = b + delta
     runs = [T] if not mixed else [1, 2, T - 3 - T // 3, T // 3]
     used = check(be, delta_inputs(SHAPES[shape], runs, seed=T * 3 + mixed), what=f"{shape} T={T} runs={runs}")
