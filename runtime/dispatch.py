@@ -80,6 +80,10 @@ class Backend:
         except KeyError:
             raise ContractError(f"unknown op {op!r} (known: {', '.join(sorted(self.manifest.ops))})") from None
 
+    def workspace_bytes(self, op: str, **dims) -> int:
+        """Scratch memory `op` may take at these dims (the memory plan reserves it); the reference backend needs none."""
+        return 0
+
     def plan(self, op: str, *, route: str | None = None, **args) -> Callable[[], None]:
         raise NotImplementedError
 
@@ -177,6 +181,9 @@ class CudaBackend(Backend):
             launch = kernel.pre if pre else kernel.data
             mod = self._modules[key] = Module(cubin, launch["symbol"], int(evaluate(launch["smem"], {})))
         return mod
+
+    def workspace_bytes(self, op: str, **dims) -> int:
+        return self.manifest.workspace_bytes(self.device.arch, op, dims)
 
     def workspace(self, nbytes: int):
         """Scratch memory for routes that declare a workspace. One buffer serves every plan: launches are

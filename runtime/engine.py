@@ -17,7 +17,7 @@ from .cache import CapacityError, SequenceCache, plan_kv_pages
 from .decode_graph import DecodeGraphs
 from .dispatch import backend as make_backend
 from .models import MODELS
-from .models.blocks import Step, dequant_scratch_bytes
+from .models.blocks import Step, dequant_scratch_bytes, prefill_workspace_bytes
 from .models.config import HybridConfig, parse_config
 from .weights import load_weights
 
@@ -125,8 +125,9 @@ class Engine:
         self.device = torch.device("cuda" if be.name == "cuda" else "cpu")
         self.dtype = torch.bfloat16 if be.name == "cuda" else torch.float32
         MODELS[cfg.family].fuse_weights(cfg, weights)
+        scratch = dequant_scratch_bytes(weights) + prefill_workspace_bytes(be, cfg, prefill_chunk, max_seqs)
         num_pages = plan_kv_pages(cfg, self.device, self.dtype, max_seqs, max_context, page_size, prefill_chunk,
-                                  kv_capacity, dequant_scratch_bytes(weights))
+                                  kv_capacity, scratch)
         self.cache = SequenceCache(cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
                                    device=self.device, dtype=self.dtype, num_pages=num_pages)
         try:

@@ -94,6 +94,11 @@ class Manifest:
             raise RouteError(f"no kernel {instance} for {op} on {arch}/{dtype} (built: {', '.join(have) or 'none'})")
         return self.kernels[key]
 
+    def workspace_bytes(self, arch: str, op: str, dims: dict) -> int:
+        """The most workspace any route of `op` built for `arch` declares at these dims (0: none declares one)."""
+        return max((int(evaluate(k.workspace, dims)) for k in self.kernels.values()
+                    if k.op == op and k.arch == arch and "workspace" in k.data), default=0)
+
     def tuned_for(self, gpu: str | None, arch: str) -> dict:
         """The tuned tables (ninfer-tune) of this GPU, when they were measured on it and its arch matches."""
         t = self.data.get("tuned", {}).get(gpu or "")

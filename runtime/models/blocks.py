@@ -105,6 +105,12 @@ def dequant_scratch_bytes(weights: dict) -> int:
     return max([s for s in sizes if s <= DEQUANT_MAX_BYTES], default=0)
 
 
+def prefill_workspace_bytes(be, cfg: HybridConfig, T: int, S: int) -> int:
+    """The backend's workspace for the model's ops at a step of T tokens over S sequences (the GDN delta rule's
+    chunked_scan route keeps its per-chunk matrices there): one buffer serves them all, so the largest."""
+    return be.workspace_bytes("gdn_delta_rule", T=T, S=S, HV=cfg.v_heads, DK=cfg.k_dim, DV=cfg.v_dim)
+
+
 def linear(be, x, w):
     """y = x·wᵀ; a packed weight goes to its format's op (linear_q4, ...), which dequantizes on the fly."""
     if isinstance(w, PackedWeight):

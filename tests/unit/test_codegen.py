@@ -80,3 +80,27 @@ def test_every_kernel_enters_through_pdl(spec_tree, tmp_path):
         assert k["pdl"] is True, key
         # one wait per kernel
         assert src.count("nf_pdl_enter();") == src.count('extern "C" __global__'), key
+
+
+def test_pre_kernel_and_workspace_reach_the_manifest(spec_tree, tmp_path):
+    """A route with launch.pre and a workspace: the manifest names the pre kernel (defined in the same unit) with
+    its geometry, and the runtime's workspace bound evaluates the route's formula (the largest over the op's
+    routes on that arch; 0 for an op without one)."""
+    from ninfer.runtime.manifest import Manifest
+    out = tmp_path / "gen"
+    m = Manifest(generate(*spec_tree, out))
+    k = m.kernel("sm_90a", "gdn_delta_rule", "chunked_scan.v32", "bf16")
+    assert k.pre["symbol"] == k.symbol + "_pre" and f'{k.pre["symbol"]}(' in (out / k.source).read_text()
+    assert k.pre["grid"] == ["cdiv(T, 64) + S", "HV", "1"] and "workspace" in k.args
+    dims = {"T": 4096, "S": 1, "HV": 48, "DK": 128, "DV": 128}
+    assert m.workspace_bytes("sm_90a", "gdn_delta_rule", dims) == (64 + 1) * 48 * 21504
+    assert m.workspace_bytes("sm_90a", "linear", {"T": 4096, "N": 8, "K": 8}) == 0
+    # what the engine's memory plan asks the cuda backend for (its method on this manifest and arch), 27B shape
+    from types import SimpleNamespace
+
+    from ninfer.runtime.dispatch import CudaBackend
+    from ninfer.runtime.models.blocks import prefill_workspace_bytes
+    from ninfer.runtime.synthetic import SHAPES
+    cuda = SimpleNamespace(manifest=m, device=SimpleNamespace(arch="sm_90a"))
+    cuda.workspace_bytes = lambda op, **d: CudaBackend.workspace_bytes(cuda, op, **d)
+    assert prefill_workspace_bytes(cuda, SHAPES["qwen3.6-27b"], 4096, 8) == (64 + 8) * 48 * 21504
