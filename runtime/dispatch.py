@@ -241,16 +241,16 @@ class CudaBackend(Backend):
                 values.append(ctypes.c_float(params[a]))
             else:
                 values.append(ctypes.c_int32(params[a]))
-        grid = tuple(int(evaluate(g, env)) for g in kernel.grid)
-        block = tuple(int(evaluate(b, env)) for b in kernel.block)
         pdl = self.pdl and kernel.data.get("pdl", False) and self.device.cc >= 90
-        launch = Launch(self.module(kernel), grid, block, int(evaluate(kernel.smem, env)), values, pdl)
+
+        def launch_of(geometry: dict, pre: bool = False):   # geometry: the kernel's record, or its `pre` entry
+            grid = tuple(int(evaluate(g, env)) for g in geometry["grid"])
+            block = tuple(int(evaluate(b, env)) for b in geometry["block"])
+            return Launch(self.module(kernel, pre), grid, block, int(evaluate(geometry["smem"], env)), values, pdl)
+
+        launch = launch_of(kernel.data)
         if "pre" in kernel.data:  # the pre kernel takes the same arguments and runs first
-            pre = kernel.pre
-            first = Launch(self.module(kernel, pre=True), tuple(int(evaluate(g, env)) for g in pre["grid"]),
-                           tuple(int(evaluate(b, env)) for b in pre["block"]), int(evaluate(pre["smem"], env)),
-                           values, pdl)
-            launch = Sequence(first, launch)
+            launch = Sequence(launch_of(kernel.pre, pre=True), launch)
         launch.kernel, launch.dims, launch.workspace = kernel, dims, hold
         return launch
 
