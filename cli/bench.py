@@ -29,6 +29,9 @@ CASES = [
     ("rms_norm", {"H": 128}, [48, 48 * 4096]),
     ("add", {"H": 5120}, [1, 4096]),
     ("silu_and_mul", {"I": 17408}, [1, 4096]),
+    # the 27B MLP's up projection with the activation in the GEMM epilogue (against linear N 34816 + silu_and_mul)
+    ("linear", {"N": 34816, "K": 5120}, [4096]),
+    ("linear_swiglu", {"I": 17408, "K": 5120}, [4096]),
     ("sigmoid_mul", {"N": 6144}, [1, 4096]),
     ("embedding", {"V": 248320, "H": 5120}, [1, 4096]),
     ("linear_q4", {"N": 17408, "K": 5120}, [1, 2, 4, 8, 9, 64, 512, 4096]),

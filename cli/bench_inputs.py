@@ -57,6 +57,8 @@ def op_bytes(op, tensors, dims) -> int:
 
 def op_flops(op: str, T: int, problem: dict) -> int:
     """Multiply-add FLOPs of a linear, expert or attention op (0 for the others)."""
+    if op == "linear_swiglu":   # the [gate | up] projection: 2I rows
+        return 2 * T * 2 * problem["I"] * problem["K"]
     if op.startswith("linear"):
         return 2 * T * problem["N"] * problem["K"]
     if op in ("paged_attention", "paged_attention_split"):   # Q.K and P.V over the keys each query sees

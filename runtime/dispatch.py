@@ -84,6 +84,10 @@ class Backend:
         """Scratch memory `op` may take at these dims (the memory plan reserves it); the reference backend needs none."""
         return 0
 
+    def has_op(self, op: str, dtype: str = "bf16") -> bool:
+        """Whether this backend runs `op` (the reference backend runs every op; cuda, those with kernels here)."""
+        return op in self.manifest.ops
+
     def plan(self, op: str, *, route: str | None = None, **args) -> Callable[[], None]:
         raise NotImplementedError
 
@@ -184,6 +188,9 @@ class CudaBackend(Backend):
 
     def workspace_bytes(self, op: str, **dims) -> int:
         return self.manifest.workspace_bytes(self.device.arch, op, dims)
+
+    def has_op(self, op: str, dtype: str = "bf16") -> bool:
+        return dtype in self.manifest.data["tables"].get(self.device.arch, {}).get(op, {})
 
     def workspace(self, nbytes: int):
         """Scratch memory for routes that declare a workspace. One buffer serves every plan: launches are

@@ -50,6 +50,10 @@ def linear(x, w):
     return {"y": x @ w.T}
 
 
+def linear_swiglu(x, w):
+    return silu_and_mul(x @ w.T)
+
+
 def _rope_neox(x, positions, theta, rotary_dim):
     """Rotate (x[i], x[i + R/2]) for i < R/2 by position · theta^(-2i/R); dims >= R pass through."""
     half = rotary_dim // 2
@@ -316,7 +320,7 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
 
 
 REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
-                                      attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split,
+                                      linear_swiglu, attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split,
                                       merge_attn_states, gdn_conv, gdn_gates,
                                       gdn_delta_rule, gdn_gated_norm, gdn_decode, moe_router, moe_topk, moe_experts, moe_align, moe_sum,
                                       sigmoid_gate_add, argmax, sample)}

@@ -17,6 +17,8 @@ PROBLEMS = {
     "sigmoid_mul": [{"N": 200}, {"N": 6144}],
     "embedding": [{"V": 1000, "H": 64}, {"V": 248320, "H": 5120}],
     "linear": [{"N": 136, "K": 200}, {"N": 1024, "K": 5120}, {"N": 77, "K": 200}, {"N": 1, "K": 512}, {"N": 96, "K": 5120}],
+    # the 27B MLP, a width that ends inside a tile (the gate box reads up rows there), a tiny odd one
+    "linear_swiglu": [{"I": 17408, "K": 5120}, {"I": 200, "K": 256}, {"I": 68, "K": 200}],
 }
 
 

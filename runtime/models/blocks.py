@@ -76,6 +76,12 @@ ATTN_SPLIT_BLOCKS = _env_tokens("NINFER_ATTN_SPLIT_BLOCKS", 128) or 128
 ATTN_SPLIT_MAX_KS = _env_tokens("NINFER_ATTN_SPLIT_MAX_KS", 32) or 32
 
 
+# The SwiGLU up projection of steps from SWIGLU_MIN_T tokens (prefill) as one GEMM with the activation in its
+# epilogue (linear_swiglu), where the backend has it: the [T, 2I] projection is neither rounded nor written and
+# read back. Below it, and without the op, the projection then silu_and_mul. NINFER_SWIGLU_MIN_T: A/B runs.
+SWIGLU_MIN_T = _env_tokens("NINFER_SWIGLU_MIN_T", DEQUANT_MIN_T)
+
+
 def attn_splits(T: int, kv_heads: int) -> int:
     """Splits per token: the power of two at or below ATTN_SPLIT_BLOCKS / (T * kv_heads), clamped to 8..ATTN_SPLIT_MAX_KS."""
     ks = max(1, ATTN_SPLIT_BLOCKS // (T * kv_heads))
@@ -111,20 +117,29 @@ def prefill_workspace_bytes(be, cfg: HybridConfig, T: int, S: int) -> int:
     return be.workspace_bytes("gdn_delta_rule", T=T, S=S, HV=cfg.v_heads, DK=cfg.k_dim, DV=cfg.v_dim)
 
 
+def dense_weight(be, x, w):
+    """The bf16 matrix a GEMM over x reads: w itself, or a packed weight decoded into scratch from DEQUANT_MIN_T
+    tokens (None: below that, or too large a scratch; its format's op then dequantizes on the fly)."""
+    if not isinstance(w, PackedWeight):
+        return w
+    n, k = w.matrix
+    if x.shape[0] < DEQUANT_MIN_T or 2 * n * k > DEQUANT_MAX_BYTES:
+        return None
+    dense = new(x, n, k)   # the caching allocator hands the same block back call after call
+    be.run(f"dequant_{w.fmt}", w=w.data, y=dense)
+    return dense
+
+
 def linear(be, x, w):
-    """y = x·wᵀ; a packed weight goes to its format's op (linear_q4, ...), which dequantizes on the fly."""
-    if isinstance(w, PackedWeight):
-        n, k = w.matrix
-        y = new(x, x.shape[0], n)
-        if x.shape[0] >= DEQUANT_MIN_T and 2 * n * k <= DEQUANT_MAX_BYTES:
-            dense = new(x, n, k)   # the caching allocator hands the same block back call after call
-            be.run(f"dequant_{w.fmt}", w=w.data, y=dense)
-            be.run("linear", x=x, w=dense, y=y)
-        else:
-            be.run(f"linear_{w.fmt}", x=x, w=w.data, y=y)
+    """y = x·wᵀ; a packed weight goes to its format's op (linear_q4, ...) or, for prefill, to `linear` over its
+    decoded matrix."""
+    dense = dense_weight(be, x, w)
+    if dense is None:
+        y = new(x, x.shape[0], w.matrix[0])
+        be.run(f"linear_{w.fmt}", x=x, w=w.data, y=y)
         return y
-    y = new(x, x.shape[0], w.shape[0])
-    be.run("linear", x=x, w=w, y=y)
+    y = new(x, x.shape[0], dense.shape[0])
+    be.run("linear", x=x, w=dense, y=y)
     return y
 
 
@@ -250,15 +265,23 @@ class GatedDeltaNet:
 
 
 class DenseMLP:
-    """SwiGLU over a fused [gate | up] projection."""
+    """SwiGLU over a fused [gate | up] projection: for prefill one GEMM with the activation in its epilogue
+    (linear_swiglu, where the backend has it), else the projection, then silu_and_mul."""
 
     def __init__(self, w: dict, prefix: str):
         self.gate_up, self.down = w[prefix + "gate_up"], w[prefix + "down"]
 
     def __call__(self, be, x):
-        gu = linear(be, x, self.gate_up)
-        act = new(x, x.shape[0], gu.shape[1] // 2)
-        be.run("silu_and_mul", x=gu, y=act)
+        T = x.shape[0]
+        fused = SWIGLU_MIN_T is not None and T >= SWIGLU_MIN_T and be.has_op("linear_swiglu")
+        dense = dense_weight(be, x, self.gate_up) if fused else None
+        if dense is not None:
+            act = new(x, T, dense.shape[0] // 2)
+            be.run("linear_swiglu", x=x, w=dense, y=act)
+        else:
+            gu = linear(be, x, self.gate_up)
+            act = new(x, T, gu.shape[1] // 2)
+            be.run("silu_and_mul", x=gu, y=act)
         return linear(be, act, self.down)
 
 

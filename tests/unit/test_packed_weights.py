@@ -87,6 +87,35 @@ def test_prefill_over_packed_weights_takes_the_dequant_path():
     assert torch.allclose(y[:7], small, rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_mlp_fuses_the_swiglu_up_projection(monkeypatch):
+    """From SWIGLU_MIN_T tokens the MLP decodes [gate | up] once and runs linear_swiglu (the activation in the GEMM's
+    epilogue) instead of linear + silu_and_mul; the values agree (fp32 here, so no rounding tells them apart)."""
+    from ninfer.runtime.models import blocks
+    calls = []
+
+    class Spy(ReferenceBackend):
+        def run(self, op, **args):
+            calls.append(op)
+            super().run(op, **args)
+
+    g = torch.Generator().manual_seed(1)
+    mlp = blocks.DenseMLP({"mlp.gate_up": random_packed("q4", (272, 192), "cpu", g, 0.05),
+                           "mlp.down": random_packed("q4", (192, 136), "cpu", g, 0.05)}, "mlp.")
+    t0 = blocks.SWIGLU_MIN_T
+    x = torch.randn(t0, 192, generator=g)
+    y = mlp(Spy(), x)
+    assert calls == ["dequant_q4", "linear_swiglu", "dequant_q4", "linear"]
+    monkeypatch.setattr(blocks, "SWIGLU_MIN_T", None)   # NINFER_SWIGLU_MIN_T=off
+    calls.clear()
+    unfused = mlp(Spy(), x)
+    assert calls == ["dequant_q4", "linear", "silu_and_mul", "dequant_q4", "linear"]
+    assert torch.allclose(y, unfused, rtol=1e-5, atol=1e-5)
+    calls.clear()
+    monkeypatch.undo()
+    mlp(Spy(), x[:t0 - 1])                               # below it: the packed GEMV, then the activation
+    assert calls == ["linear_q4", "silu_and_mul", "linear_q4"]
+
+
 @pytest.mark.parametrize("fmt", PACKED)
 def test_cat_rows_appends_whole_tiles(fmt):
     """[a; b] of two packed matrices (a on whole 128-row tiles) decodes to the rows of a, then of b; where
