@@ -37,7 +37,7 @@ def op_bytes(op, tensors, dims) -> int:
     """Fewest bytes the op must move: each input read once, each output written once (MoE experts: only the
     experts the tokens choose)."""
     if is_expert_op(op):
-        from ninfer.runtime.formats import nbytes
+        from ninfer.runtime.formats import FORMATS, nbytes
         gfmt, dfmt = _moe_formats(op)
         per_expert = ((nbytes(gfmt, (2 * dims["I"], dims["H"])) if gfmt else 0)
                       + (nbytes(dfmt, (dims["H"], dims["I"])) if dfmt else 0))
@@ -74,7 +74,7 @@ def op_flops(op: str, T: int, problem: dict) -> int:
 def make_inputs(torch, contract, dtype, dims, rng, op=""):
     """Random inputs and outputs of an op at these dims, on the generator's device."""
     from ninfer.runtime.contracts import TORCH_DTYPES, shape_of
-    from ninfer.runtime.formats import nbytes
+    from ninfer.runtime.formats import FORMATS, nbytes
     from ninfer.runtime.weights import random_packed
 
     if op == "gdn_delta_rule":
@@ -87,7 +87,8 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         return _make_gdn_decode(torch, dims, rng)
     if is_expert_op(op):
         return _make_moe(torch, contract, op, dims, rng)
-    packed = op.split("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
+    suffix = op.split("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
+    packed = suffix if suffix in FORMATS else None   # linear_q4 / dequant_q4, not linear_swiglu
     if op.startswith("dequant_"):   # T rows of a packed [T, K] matrix
         dims["N"] = dims["T"]
     if packed:

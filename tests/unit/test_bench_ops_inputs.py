@@ -65,11 +65,13 @@ def test_dequant_inputs_are_a_packed_matrix_of_t_rows():
     assert torch.isfinite(ts["y"].float()).all()
 
 
-def test_router_and_norm_inputs_are_plain_tensors():
-    """moe_router is not an expert op: its inputs come from the contract like any op's (so do the norms')."""
+def test_router_norm_and_dense_gemm_inputs_are_plain_tensors():
+    """moe_router is not an expert op: its inputs come from the contract like any op's (so do the norms' and the
+    bf16 GEMMs': linear_swiglu's name has a linear_ prefix but no packed format)."""
     be = ReferenceBackend()
     for op, dims in [("moe_router", {"T": 3, "E": 16, "H": 64}), ("add_rms_norm_zc", {"T": 3, "H": 64}),
-                     ("rms_norm_zc", {"T": 3, "H": 64})]:
+                     ("rms_norm_zc", {"T": 3, "H": 64}), ("linear", {"T": 3, "N": 16, "K": 64}),
+                     ("linear_swiglu", {"T": 3, "I": 16, "K": 64})]:
         ts = make_inputs(torch, be.contract(op), "bf16", dict(dims), torch.Generator().manual_seed(0), op)
         assert set(ts) == set(be.contract(op)["inputs"]) | set(be.contract(op)["outputs"])
         be.run(op, **ts)
