@@ -34,8 +34,9 @@ CASES = [
     ("linear_swiglu", {"I": 17408, "K": 5120}, [4096]),
     ("sigmoid_mul", {"N": 6144}, [1, 4096]),
     ("embedding", {"V": 248320, "H": 5120}, [1, 4096]),
-    ("linear_q4", {"N": 17408, "K": 5120}, [1, 2, 4, 8, 9, 64, 512, 4096]),
-    ("linear_q4", {"N": 5120, "K": 17408}, [1, 8, 4096]),
+    ("linear_q4", {"N": 17408, "K": 5120}, [1, 2, 4, 8, 9, 16, 64, 512, 4096]),
+    ("linear_q4", {"N": 5120, "K": 17408}, [1, 8, 16, 4096]),
+    ("linear_q4", {"N": 34816, "K": 5120}, [8, 16]),
     ("linear_q4", {"N": 248320, "K": 5120}, [1]),
     *((f"linear_{f}", {"N": 17408, "K": 5120}, [1, 4096]) for f in ("q5", "q6", "w8", "fp8")),
     # prefill decodes each packed matrix into a bf16 scratch (T = its rows): 27B gate_up and down
@@ -226,8 +227,8 @@ def _profile_table(torch, events: list, title: str, copy_gbs: float, gemm_tflops
         a[0] += 1
         a[1] += start.elapsed_time(end)
         if op.startswith("linear"):
-            a[2] += 2 * dims["T"] * dims["N"] * dims["K"]
-            a[3] += dims.get("WB", 2 * dims["N"] * dims["K"])
+            a[2] += op_flops(op, dims["T"], dims)
+            a[3] += dims.get("WB", op_flops(op, 1, dims))   # bf16 weights: 2 bytes per multiply-add of one token
     total = sum(a[1] for a in agg.values())
     click.echo(f"{title}: {total:.2f} ms of kernels in {sum(a[0] for a in agg.values())} launches")
     for (op, inst), (n, ms, flops, wbytes) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
