@@ -37,7 +37,7 @@ def op_bytes(op, tensors, dims) -> int:
     """Fewest bytes the op must move: each input read once, each output written once (MoE experts: only the
     experts the tokens choose)."""
     if is_expert_op(op):
-        from ninfer.runtime.formats import FORMATS, nbytes
+        from ninfer.runtime.formats import nbytes
         gfmt, dfmt = _moe_formats(op)
         per_expert = ((nbytes(gfmt, (2 * dims["I"], dims["H"])) if gfmt else 0)
                       + (nbytes(dfmt, (dims["H"], dims["I"])) if dfmt else 0))
