@@ -306,9 +306,9 @@ def _load_op_routes(data: dict, file: str, op: Op, archs: dict[str, Arch], templ
             for lk in launches:
                 threads = 1
                 for b in lk["block"]:
-                    threads *= int(eval(b))  # noqa: S307 (constants only after lowering)
+                    threads *= int(evaluate(b, {}))  # constants only after lowering
                 _need(0 < threads <= 1024, file, f"{tp}", f"block of {threads} threads breaks the limit of 1024")
-            smem = max(int(eval(lk["smem"])) for lk in launches)  # noqa: S307
+            smem = max(int(evaluate(lk["smem"], {})) for lk in launches)
             for a in rarchs:
                 arch = archs[a]
                 lacking = [f for f in requires if f not in arch.features]

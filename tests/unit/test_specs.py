@@ -159,6 +159,13 @@ def test_smem_over_arch_limit(spec_tree):
     fails(spec_tree, "routes/add.yaml: routes[0].tiles.t256: tile needs 262144 bytes of shared memory; sm_80 allows at most 166912 per block")
 
 
+def test_smem_formula_may_use_the_formula_functions(spec_tree):
+    """smem (and block) formulas may call cdiv / min / max like any formula: the limit check evaluates them."""
+    specs, _ = spec_tree
+    edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0]["launch"].update(smem="max(cdiv(tile.threads, 2), 1) * 2048"))
+    fails(spec_tree, "routes/add.yaml: routes[0].tiles.t256: tile needs 262144 bytes of shared memory; sm_80 allows at most 166912 per block")
+
+
 def test_feature_missing_on_arch(spec_tree):
     specs, _ = spec_tree
     edit(specs / "routes" / "add.yaml", lambda d: d["routes"][0].update(requires=["wgmma"]))
