@@ -222,15 +222,16 @@ def _lower_route(r: Route, op: Op, tile: dict, file: str, path: str) -> dict:
         except ExprError as e:
             raise SpecError(file, p, str(e)) from None
 
-    # grid formulas may also use SMS, the GPU's SM count (persistent kernels size their grid by it)
-    out = {"grid": [low(g, f"{path}.launch.grid[{i}]", names | {"SMS"}) for i, g in enumerate(r.grid)],
-           "block": [low(b, f"{path}.launch.block[{i}]", set()) for i, b in enumerate(r.block)],
-           "smem": low(r.smem, f"{path}.launch.smem", set()),
+    def low_launch(lk, where):
+        # grid formulas may also use SMS, the GPU's SM count (persistent kernels size their grid by it)
+        return {"grid": [low(g, f"{path}.{where}.grid[{i}]", names | {"SMS"}) for i, g in enumerate(lk["grid"])],
+                "block": [low(b, f"{path}.{where}.block[{i}]", set()) for i, b in enumerate(lk["block"])],
+                "smem": low(lk["smem"], f"{path}.{where}.smem", set())}
+
+    out = {**low_launch({"grid": r.grid, "block": r.block, "smem": r.smem}, "launch"),
            "constraints": [low(c, f"{path}.constraints[{i}]") for i, c in enumerate(r.constraints)], "args": []}
     if r.pre is not None:
-        out["pre"] = {"grid": [low(g, f"{path}.launch.pre.grid[{i}]", names | {"SMS"}) for i, g in enumerate(r.pre["grid"])],
-                      "block": [low(b, f"{path}.launch.pre.block[{i}]", set()) for i, b in enumerate(r.pre["block"])],
-                      "smem": low(r.pre["smem"], f"{path}.launch.pre.smem", set())}
+        out["pre"] = low_launch(r.pre, "launch.pre")
     if r.workspace is not None:
         out["workspace"] = low(r.workspace, f"{path}.workspace")
     for i, a in enumerate(r.args):

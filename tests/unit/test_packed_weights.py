@@ -13,6 +13,15 @@ from ninfer.runtime.weights import PackedWeight, random_packed
 SHAPES = [(1, 8), (77, 200), (128, 128), (130, 328), (300, 72)]
 
 
+def recording(calls: list):
+    """A reference backend class whose instances append the name of every op they run to calls."""
+    class Spy(ReferenceBackend):
+        def run(self, op, **args):
+            calls.append(op)
+            super().run(op, **args)
+    return Spy
+
+
 @pytest.mark.parametrize("fmt", PACKED)
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_unpack_equals_the_codec(fmt, n, k):
@@ -71,12 +80,7 @@ def test_prefill_over_packed_weights_takes_the_dequant_path():
     """From DEQUANT_MIN_T tokens a packed linear decodes the matrix and runs the dense op: same result."""
     from ninfer.runtime.models import blocks
     calls = []
-
-    class Spy(ReferenceBackend):
-        def run(self, op, **args):
-            calls.append(op)
-            super().run(op, **args)
-
+    Spy = recording(calls)
     g = torch.Generator().manual_seed(0)
     pw = random_packed("q4", (136, 200), "cpu", g, 0.05)
     x = torch.randn(blocks.DEQUANT_MIN_T, 200)
@@ -92,12 +96,7 @@ def test_prefill_mlp_fuses_the_swiglu_up_projection(monkeypatch):
     epilogue) instead of linear + silu_and_mul; the values agree (fp32 here, so no rounding tells them apart)."""
     from ninfer.runtime.models import blocks
     calls = []
-
-    class Spy(ReferenceBackend):
-        def run(self, op, **args):
-            calls.append(op)
-            super().run(op, **args)
-
+    Spy = recording(calls)
     g = torch.Generator().manual_seed(1)
     mlp = blocks.DenseMLP({"mlp.gate_up": random_packed("q4", (272, 192), "cpu", g, 0.05),
                            "mlp.down": random_packed("q4", (192, 136), "cpu", g, 0.05)}, "mlp.")
