@@ -57,7 +57,7 @@ def weight_shapes(cfg: HybridConfig) -> dict[str, tuple]:
 # the matrices a recipe quantizes (recipes/*.yaml, kind quant); the embedding table stays bf16 (only the
 # prompt's rows are ever read)
 QUANT_SUFFIXES = ("attn.qkv", "attn.o", "gdn.in_qkv", "gdn.in_z", "gdn.out", "mlp.gate_up", "mlp.down",
-                  "experts.gate_up", "experts.down", "lm_head")
+                  "experts.gate_up", "experts.down", "shared.gate_up", "shared.down", "lm_head")
 
 
 def packed_formats(cfg: HybridConfig, fmt: str) -> dict[str, str]:
