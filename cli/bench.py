@@ -37,6 +37,10 @@ CASES = [
     ("linear_q4", {"N": 17408, "K": 5120}, [1, 2, 4, 8, 9, 16, 64, 512, 4096]),
     ("linear_q4", {"N": 5120, "K": 17408}, [1, 8, 16, 4096]),
     ("linear_q4", {"N": 34816, "K": 5120}, [8, 16]),
+    # prefill with the codes decoded inside the wgmma GEMM (against dequant_q4 + linear / linear_swiglu above)
+    ("linear_q4", {"N": 6144, "K": 5120}, [4096]),
+    ("linear_q4", {"N": 34816, "K": 5120}, [4096]),
+    ("linear_swiglu_q4", {"I": 17408, "K": 5120}, [4096]),
     ("linear_q4", {"N": 248320, "K": 5120}, [1]),
     *((f"linear_{f}", {"N": 17408, "K": 5120}, [1, 4096]) for f in ("q5", "q6", "w8", "fp8")),
     # prefill decodes each packed matrix into a bf16 scratch (T = its rows): 27B gate_up and down

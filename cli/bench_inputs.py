@@ -57,7 +57,7 @@ def op_bytes(op, tensors, dims) -> int:
 
 def op_flops(op: str, T: int, problem: dict) -> int:
     """Multiply-add FLOPs of a linear, expert or attention op (0 for the others)."""
-    if op == "linear_swiglu":   # the [gate | up] projection: 2I rows
+    if op in ("linear_swiglu", "linear_swiglu_q4"):   # the [gate | up] projection: 2I rows
         return 2 * T * 2 * problem["I"] * problem["K"]
     if op.startswith("linear"):
         return 2 * T * problem["N"] * problem["K"]
@@ -87,10 +87,12 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         return _make_gdn_decode(torch, dims, rng)
     if is_expert_op(op):
         return _make_moe(torch, contract, op, dims, rng)
-    suffix = op.split("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
-    packed = suffix if suffix in FORMATS else None   # linear_q4 / dequant_q4, not linear_swiglu
+    suffix = op.rsplit("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
+    packed = suffix if suffix in FORMATS else None   # linear_q4 / dequant_q4 / linear_swiglu_q4, not linear_swiglu
     if op.startswith("dequant_"):   # T rows of a packed [T, K] matrix
         dims["N"] = dims["T"]
+    if op.startswith("linear_swiglu_"):   # the packed [gate | up] matrix: 2I rows
+        dims["N"] = 2 * dims["I"]
     if packed:
         dims["WB"] = nbytes(packed, (dims["N"], dims["K"]))
 

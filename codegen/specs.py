@@ -14,6 +14,7 @@ from .yamlio import SpecError, load_yaml
 
 DTYPES = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int", "u8": "unsigned char"}
 PARAM_TYPES = {"f32", "i32"}
+PACKED_CODE_FORMATS = ("q4",)   # packed formats whose code planes a route may read through TMA (runtime/cuda.py)
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 TILE_RE = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 SCALED_DIM_RE = re.compile(r"^(?:([1-9][0-9]*)\*)?([A-Za-z_][A-Za-z0-9_]*)$")
@@ -242,11 +243,21 @@ def _lower_route(r: Route, op: Op, tile: dict, file: str, path: str) -> dict:
                   f"{op.name}, and `workspace` when the route declares one)")
             out["args"].append(a)
         else:
-            _keys(a, file, f"{path}.args[{i}]", {"tmap", "box"})
+            # a packed weight's code planes: `format` and `matrix` (its [rows, cols] as expressions of the dims)
+            _keys(a, file, f"{path}.args[{i}]", {"tmap", "box"}, {"format", "matrix"})
             _need(a["tmap"] in op.inputs or a["tmap"] in op.outputs, file, f"{path}.args[{i}].tmap",
                   f"unknown tensor {a['tmap']!r}")
             box = [int(eval(low(b, f'{path}.args[{i}].box', set()))) for b in a["box"]]  # noqa: S307 constants only
-            out["args"].append({"tmap": a["tmap"], "box": box})
+            arg = {"tmap": a["tmap"], "box": box}
+            if "format" in a or "matrix" in a:
+                _need("format" in a and "matrix" in a, file, f"{path}.args[{i}]", "`format` and `matrix` go together")
+                _need(a["format"] in PACKED_CODE_FORMATS, file, f"{path}.args[{i}].format",
+                      f"unknown format {a['format']!r} (allowed: {', '.join(PACKED_CODE_FORMATS)})")
+                _need(isinstance(a["matrix"], list) and len(a["matrix"]) == 2, file, f"{path}.args[{i}].matrix",
+                      "expected [rows, cols]")
+                arg.update(format=a["format"], matrix=[low(e, f"{path}.args[{i}].matrix[{j}]", dims)
+                                                       for j, e in enumerate(a["matrix"])])
+            out["args"].append(arg)
     return out
 
 

@@ -120,6 +120,34 @@ def encode_tmap_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int,
     return desc
 
 
+def encode_tmap_codes(ptr: int, fmt: str, rows: int, cols: int, box_rows: int, box_bytes: int):
+    """A 3-D TMA descriptor (u8, no swizzle, zero fill) over the code planes of a packed [rows, cols] matrix
+    (rowtile128-v1, specs/formats.md §3): dims {code bytes of a row, 128 rows, tiles}, so a box of box_rows rows
+    (a divisor of 128) at (byte, row in tile, tile) never crosses into a tile's other planes. Whole tiles only."""
+    from cuda.bindings import driver
+
+    from .format_base import PLANE_ALIGN, TILE_ROWS, align_up
+    from .formats import get_format
+    f = get_format(fmt)
+    if rows % TILE_ROWS or TILE_ROWS % box_rows:
+        raise ValueError(f"encode_tmap_codes: {rows} rows (a multiple of {TILE_ROWS} needed), box of {box_rows} rows")
+    kp = align_up(cols, 128)
+    tile = sum(align_up(p, PLANE_ALIGN) for p in f.plane_sizes(TILE_ROWS, kp))
+    row_bytes = f.plane_sizes(1, kp)[0]
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    tmap = check(driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, ptr,
+        [u64(row_bytes), u64(TILE_ROWS), u64(rows // TILE_ROWS)], [u64(row_bytes), u64(tile)],
+        [u32(box_bytes), u32(box_rows), u32(1)], [u32(1), u32(1), u32(1)],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    desc = (ctypes.c_uint64 * 16)()
+    ctypes.memmove(ctypes.addressof(desc), tmap.getPtr(), 128)
+    return desc
+
+
 class Launch:
     """One kernel launch with its arguments packed once: calling it only issues the launch.
 

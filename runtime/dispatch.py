@@ -88,6 +88,12 @@ class Backend:
         """Whether this backend runs `op` (the reference backend runs every op; cuda, those with kernels here)."""
         return op in self.manifest.ops
 
+    def takes_packed(self, op: str, **dims) -> bool:
+        """Whether `op` (a packed-weight op such as linear_q4) runs at these dims (T included) on a route that reads
+        the packed matrix in a prefill GEMM (`wgmma_rs`: decoded inside the GEMM), so the model need not dequantize
+        it first. The reference backend decodes every packed op the same way: no."""
+        return False
+
     def plan(self, op: str, *, route: str | None = None, **args) -> Callable[[], None]:
         raise NotImplementedError
 
@@ -192,6 +198,15 @@ class CudaBackend(Backend):
     def has_op(self, op: str, dtype: str = "bf16") -> bool:
         return dtype in self.manifest.data["tables"].get(self.device.arch, {}).get(op, {})
 
+    def takes_packed(self, op: str, **dims) -> bool:
+        if not self.has_op(op):
+            return False
+        contract = self.contract(op)
+        kernel = self.manifest.resolve(self.device.arch, op, "bf16", {d: dims[d] for d in contract["problem"]},
+                                       dims["T"], self.device.name)
+        env = {**dims, "SMS": self.device.sm_count}
+        return kernel.route == "wgmma_rs" and all(evaluate(c, env) for c in kernel.constraints)
+
     def workspace(self, nbytes: int):
         """Scratch memory for routes that declare a workspace. One buffer serves every plan: launches are
         stream-ordered, so a route's pre kernel and main kernel finish with it before the next route starts.
@@ -214,7 +229,7 @@ class CudaBackend(Backend):
         return self.manifest.kernel(arch, op, route, dtype)
 
     def _plan(self, op: str, *, route: str | None = None, **args):
-        from .cuda import Launch, encode_tmap_2d
+        from .cuda import Launch, encode_tmap_2d, encode_tmap_codes
         contract = self.contract(op)
         tensors, params = _split(contract, args)
         dtype = _dtype_of(op, contract, tensors)
@@ -236,6 +251,9 @@ class CudaBackend(Backend):
             if a == "workspace":
                 hold = self.workspace(int(evaluate(kernel.workspace, env)))
                 values.append(ctypes.c_uint64(hold.data_ptr()))
+            elif isinstance(a, dict) and "format" in a:   # the code planes of a packed matrix
+                rows, cols = (int(evaluate(e, env)) for e in a["matrix"])
+                values.append(encode_tmap_codes(tensors[a["tmap"]].data_ptr(), a["format"], rows, cols, *a["box"]))
             elif isinstance(a, dict):
                 t = tensors[a["tmap"]]
                 rows, cols = t.shape[0], t.shape[-1]

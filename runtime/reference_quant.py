@@ -10,7 +10,7 @@ import torch
 
 from .format_base import K_ALIGN, align_up
 from .formats import get_format
-from .reference import REFERENCES, ids_of, linear, moe_down, moe_experts, moe_gate_up
+from .reference import REFERENCES, ids_of, linear, linear_swiglu, moe_down, moe_experts, moe_gate_up
 
 PACKED = ("q4", "q5", "q6", "w8", "fp8")
 
@@ -56,6 +56,10 @@ def _linear_ref(fmt):
         return linear(x, unpack(fmt, w, dims["N"], dims["K"]).to(x.dtype))
     ref.__name__ = f"linear_{fmt}"
     return ref
+
+
+def linear_swiglu_q4(x, w, dims):
+    return linear_swiglu(x, unpack("q4", w, 2 * dims["I"], dims["K"]).to(x.dtype))
 
 
 def _dequant_ref(fmt):
@@ -110,6 +114,7 @@ def _moe_split_refs(fmt):
 
 
 QUANT_REFERENCES = {f.__name__: f for f in [*(_linear_ref(fmt) for fmt in PACKED), *(_dequant_ref(fmt) for fmt in PACKED),
+                                             linear_swiglu_q4,
                                              *(_moe_ref(*p) for p in MOE_PAIRS),
                                              *(f for fmt in PACKED for f in _moe_split_refs(fmt))]}
 ALL_REFERENCES = {**REFERENCES, **QUANT_REFERENCES}

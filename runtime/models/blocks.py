@@ -117,13 +117,28 @@ def prefill_workspace_bytes(be, cfg: HybridConfig, T: int, S: int) -> int:
     return be.workspace_bytes("gdn_delta_rule", T=T, S=S, HV=cfg.v_heads, DK=cfg.k_dim, DV=cfg.v_dim)
 
 
+# Prefill GEMMs straight over packed weights where the backend's route decodes them inside the GEMM (takes_packed:
+# linear_q4 / linear_swiglu_q4 on wgmma_rs), instead of dequant_<fmt> into a scratch and the dense GEMM. H200, 27B q4
+# prefill 8K (PERF_NOTES.md, session 15): 10,368-10,462 tok/s off, 11,108 on. NINFER_PACKED_PREFILL: 0 (off),
+# 1 (every such op, the default) or comma-separated op names (A/B runs).
+_PACKED_ENV = os.environ.get("NINFER_PACKED_PREFILL", "1")
+PACKED_PREFILL = {"0": False, "1": True}.get(_PACKED_ENV, set(_PACKED_ENV.split(",")))
+
+
+def takes_packed(be, op: str, **dims) -> bool:
+    on = PACKED_PREFILL if isinstance(PACKED_PREFILL, bool) else op in PACKED_PREFILL
+    return on and be.takes_packed(op, **dims)
+
+
 def dense_weight(be, x, w):
     """The bf16 matrix a GEMM over x reads: w itself, or a packed weight decoded into scratch from DEQUANT_MIN_T
-    tokens (None: below that, or too large a scratch; its format's op then dequantizes on the fly)."""
+    tokens (None: below that, too large a scratch, or a format op whose route decodes inside its GEMM; the
+    format's op then dequantizes on the fly)."""
     if not isinstance(w, PackedWeight):
         return w
     n, k = w.matrix
-    if x.shape[0] < DEQUANT_MIN_T or 2 * n * k > DEQUANT_MAX_BYTES:
+    T = x.shape[0]
+    if T < DEQUANT_MIN_T or 2 * n * k > DEQUANT_MAX_BYTES or takes_packed(be, f"linear_{w.fmt}", N=n, K=k, T=T):
         return None
     dense = new(x, n, k)   # the caching allocator hands the same block back call after call
     be.run(f"dequant_{w.fmt}", w=w.data, y=dense)
@@ -266,15 +281,22 @@ class GatedDeltaNet:
 
 class DenseMLP:
     """SwiGLU over a fused [gate | up] projection: for prefill one GEMM with the activation in its epilogue
-    (linear_swiglu, where the backend has it), else the projection, then silu_and_mul."""
+    (linear_swiglu_<fmt> over a packed weight, or linear_swiglu over the dense one, where the backend has them),
+    else the projection, then silu_and_mul."""
 
     def __init__(self, w: dict, prefix: str):
         self.gate_up, self.down = w[prefix + "gate_up"], w[prefix + "down"]
 
     def __call__(self, be, x):
         T = x.shape[0]
-        fused = SWIGLU_MIN_T is not None and T >= SWIGLU_MIN_T and be.has_op("linear_swiglu")
-        dense = dense_weight(be, x, self.gate_up) if fused else None
+        fused = SWIGLU_MIN_T is not None and T >= SWIGLU_MIN_T
+        gu = self.gate_up
+        if fused and isinstance(gu, PackedWeight) and takes_packed(
+                be, f"linear_swiglu_{gu.fmt}", I=gu.matrix[0] // 2, K=gu.matrix[1], T=T):
+            act = new(x, T, gu.matrix[0] // 2)        # decoded inside the GEMM, the activation in its epilogue
+            be.run(f"linear_swiglu_{gu.fmt}", x=x, w=gu.data, y=act)
+            return linear(be, act, self.down)
+        dense = dense_weight(be, x, gu) if fused and be.has_op("linear_swiglu") else None
         if dense is not None:
             act = new(x, T, dense.shape[0] // 2)
             be.run("linear_swiglu", x=x, w=dense, y=act)

@@ -77,6 +77,16 @@ def test_router_norm_and_dense_gemm_inputs_are_plain_tensors():
         be.run(op, **ts)
 
 
+def test_packed_swiglu_inputs_hold_the_gate_and_up_rows():
+    """linear_swiglu_q4's packed weight is the [2I, K] matrix (its WB constraint checks the byte count)."""
+    be = ReferenceBackend()
+    dims = {"T": 3, "I": 128, "K": 512}
+    ts = make_inputs(torch, be.contract("linear_swiglu_q4"), "bf16", dict(dims), torch.Generator().manual_seed(0),
+                     "linear_swiglu_q4")
+    be.run("linear_swiglu_q4", **ts)
+    assert ts["y"].shape == (3, 128) and ts["y"].isfinite().all()
+
+
 def test_gdn_decode_inputs_run_and_count_the_states_twice():
     """A decode step of T sequences in distinct slots; the states are read and written back, so bytes count them twice."""
     be = ReferenceBackend()

@@ -115,6 +115,28 @@ def test_prefill_mlp_fuses_the_swiglu_up_projection(monkeypatch):
     assert calls == ["linear_q4", "silu_and_mul", "linear_q4"]
 
 
+def test_prefill_reads_packed_weights_where_the_route_decodes_them(monkeypatch):
+    """Where the backend's route for a packed op decodes inside its GEMM (takes_packed: linear_q4 and
+    linear_swiglu_q4 on wgmma_rs), the model runs those ops on the packed matrices instead of dequant_q4 + the
+    dense op; the values agree."""
+    from ninfer.runtime.models import blocks
+    monkeypatch.setattr(blocks, "PACKED_PREFILL", True)
+    calls = []
+
+    class Fused(recording(calls)):
+        def takes_packed(self, op, **dims):
+            return op in ("linear_q4", "linear_swiglu_q4")
+    g = torch.Generator().manual_seed(2)
+    mlp = blocks.DenseMLP({"mlp.gate_up": random_packed("q4", (256, 512), "cpu", g, 0.05),
+                           "mlp.down": random_packed("q4", (512, 128), "cpu", g, 0.05)}, "mlp.")
+    x = torch.randn(blocks.SWIGLU_MIN_T, 512, generator=g)
+    y = mlp(Fused(), x)
+    assert calls == ["linear_swiglu_q4", "linear_q4"]
+    calls.clear()
+    assert torch.allclose(y, mlp(recording(calls)(), x), rtol=1e-5, atol=1e-5)
+    assert calls == ["dequant_q4", "linear_swiglu", "dequant_q4", "linear"]
+
+
 @pytest.mark.parametrize("fmt", PACKED)
 def test_cat_rows_appends_whole_tiles(fmt):
     """[a; b] of two packed matrices (a on whole 128-row tiles) decodes to the rows of a, then of b; where

@@ -113,6 +113,23 @@ def test_unknown_route_instance_in_table(spec_tree):
     fails(spec_tree, "routes/add.yaml: tables[0].spans[0].use: unknown route instance 'vec8.t999' (allowed: vec8.t256)")
 
 
+def _rs_route(d):
+    return next(r for r in d["routes"] if r["name"] == "wgmma_rs")
+
+
+def test_packed_tmap_arg_names_its_format_and_matrix(spec_tree):
+    """A TMA argument over a packed weight's code planes names a known format and the matrix's [rows, cols]."""
+    specs, _ = spec_tree
+    p = specs / "routes" / "linear_q4.yaml"
+    edit(p, lambda d: _rs_route(d)["args"][1].update(format="q9"))
+    fails(spec_tree, "routes/linear_q4.yaml: routes[")
+    fails(spec_tree, "args[1].format: unknown format 'q9' (allowed: q4)")
+    edit(p, lambda d: _rs_route(d)["args"][1].update(format="q4", matrix=["N"]))
+    fails(spec_tree, "args[1].matrix: expected [rows, cols]")
+    edit(p, lambda d: _rs_route(d)["args"][1].pop("matrix"))
+    fails(spec_tree, "args[1]: `format` and `matrix` go together")
+
+
 def _spans(spans):
     def f(d):
         d["tables"][0]["spans"] = [{"from": a, "to": b, "use": "vec8.t256"} for a, b in spans]

@@ -1,0 +1,111 @@
+"""The Hopper prefill GEMMs with the q4 codes decoded inside them: the `wgmma_rs` routes of linear_q4 and
+linear_swiglu_q4 (codegen/templates/linear_wgmma_rs.cu.j2: the weights as wgmma's register operand).
+
+Every tile against the reference (the op's tolerance, linear_tc) at T around its tile boundaries, on whole
+128-row tiles and K % 512 == 0 (the routes' constraints), and against what it replaces, dequant_q4 into a bf16
+matrix, then linear / linear_swiglu: the weights are the same bf16 values, only the fp32 sums run in another
+order, so the two stay within one bf16 rounding (a wrong code or scale is off by far more). GPU only."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from ninfer.runtime import formats
+
+ROOT = Path(__file__).resolve().parents[2]
+TS = [1, 127, 128, 129, 255, 256, 257, 300]
+
+
+def wgmma_tiles(op: str) -> list[str]:
+    """The `route.tile` instances of the op's wgmma routes."""
+    spec = yaml.safe_load((ROOT / "specs" / "routes" / f"{op}.yaml").read_text())
+    return sorted(f"{r['name']}.{t}" for r in spec["routes"] if r["name"] == "wgmma_rs" for t in r["tiles"])
+
+
+def packed(n: int, k: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(formats.encode("q4", (rng.standard_normal((n, k)) * 0.05).astype(np.float32))).cuda()
+
+
+def check(be, op: str, tile: str, w: torch.Tensor, T: int, dims: dict, seed: int) -> list[str]:
+    """The route against the reference (tolerance) and against dequant_q4 + the dense op (bit for bit)."""
+    from ninfer.runtime.dispatch import ReferenceBackend
+    from ninfer.runtime.tolerance import compare
+    swiglu = op == "linear_swiglu_q4"
+    rows, K = (2 * dims["I"], dims["K"]) if swiglu else (dims["N"], dims["K"])
+    cols = dims["I"] if swiglu else dims["N"]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, K, device="cuda", generator=gen).bfloat16()
+    guarded = torch.full((T * cols + 256,), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = guarded[:T * cols].view(T, cols)           # NaNs after y catch stores past [T, cols]
+    plan = be.plan(op, route=tile, x=x, w=w, y=y)
+    assert plan.kernel.instance == tile
+    plan()
+    yref = torch.empty_like(y)
+    ReferenceBackend(be.manifest).run(op, x=x.clone(), w=w.clone(), y=yref)
+    dense = torch.empty(rows, K, device="cuda", dtype=torch.bfloat16)
+    be.run("dequant_q4", w=w, y=dense)
+    ydense = torch.empty_like(y)
+    be.run("linear_swiglu" if swiglu else "linear", route="wgmma.m128n256k64s4c2", x=x, w=dense, y=ydense)
+    torch.cuda.synchronize()
+    where = f"{op} {tile} T={T} {dims}"
+    bad = []
+    if not guarded[T * cols:].isnan().all():
+        bad.append(f"{where}: wrote past the end of y")
+    v = compare(y, yref, be.manifest.tolerances[be.contract(op)["tolerance"]], where)
+    if not v:
+        bad.append(v.detail)
+    diff = (y.float() - ydense.float()).abs()   # one bf16 rounding apart (2^-8 relative), and cancellation near 0
+    if not bool((diff <= 2.0 ** -7 * ydense.float().abs() + 1e-3 * ydense.float().abs().max()).all()):
+        bad.append(f"{where}: differs from dequant_q4 + dense GEMM at {int((diff > 0).sum())} of {y.numel()} "
+                   f"(max {diff.max().item():.3e})")
+    return bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", wgmma_tiles("linear_q4"))
+def test_linear_q4_every_wgmma_tile(be, tile):
+    bad = []
+    for N, K in [(128, 512), (384, 1024), (640, 1536)]:
+        w = packed(N, K, seed=N + K)
+        for T in TS:
+            bad += check(be, "linear_q4", tile, w, T, {"N": N, "K": K}, seed=T * 7 + N)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", wgmma_tiles("linear_swiglu_q4"))
+def test_linear_swiglu_q4_every_wgmma_tile(be, tile):
+    bad = []
+    for I, K in [(128, 512), (384, 1024)]:
+        w = packed(2 * I, K, seed=I + K)
+        for T in TS:
+            bad += check(be, "linear_swiglu_q4", tile, w, T, {"I": I, "K": K}, seed=T * 5 + I)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+def test_real_27b_shapes(be):
+    """The 27B MLP (gate_up 2 x 17408 x 5120, down 5120 x 17408) and GDN out (5120 x 6144) at a prefill chunk."""
+    bad = []
+    w = packed(2 * 17408, 5120, seed=1)
+    for tile in wgmma_tiles("linear_swiglu_q4"):
+        bad += check(be, "linear_swiglu_q4", tile, w, 1000, {"I": 17408, "K": 5120}, seed=2)
+    for N, K in [(5120, 17408), (5120, 6144)]:
+        w = packed(N, K, seed=N + K)
+        for tile in wgmma_tiles("linear_q4"):
+            bad += check(be, "linear_q4", tile, w, 1000, {"N": N, "K": K}, seed=3)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+def test_takes_packed_follows_the_table_and_constraints(be):
+    """The model skips the dequant pass only where the table resolves a wgmma_rs route whose constraints hold."""
+    assert not be.takes_packed("linear_q4", N=300, K=512, T=4096)      # not whole 128-row tiles
+    assert not be.takes_packed("linear_q4", N=5120, K=5120, T=1)       # decode: a GEMV route
+    assert be.takes_packed("linear_swiglu_q4", I=17408, K=5120, T=4096)   # its one table: wgmma_rs at every T
+    assert not be.takes_packed("linear_swiglu_q4", I=200, K=512, T=4096)
