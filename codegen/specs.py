@@ -14,7 +14,8 @@ from .yamlio import SpecError, load_yaml
 
 DTYPES = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int", "u8": "unsigned char"}
 PARAM_TYPES = {"f32", "i32"}
-PACKED_CODE_FORMATS = ("q4",)   # packed formats whose code planes a route may read through TMA (runtime/cuda.py)
+# packed formats whose planes (0: codes, 1: q5 / q6 high bits) a route may read through TMA (runtime/cuda.py)
+PACKED_TMA_PLANES = {"q4": 1, "q5": 2, "q6": 2}
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 TILE_RE = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 SCALED_DIM_RE = re.compile(r"^(?:([1-9][0-9]*)\*)?([A-Za-z_][A-Za-z0-9_]*)$")
@@ -243,20 +244,23 @@ def _lower_route(r: Route, op: Op, tile: dict, file: str, path: str) -> dict:
                   f"{op.name}, and `workspace` when the route declares one)")
             out["args"].append(a)
         else:
-            # a packed weight's code planes: `format` and `matrix` (its [rows, cols] as expressions of the dims)
-            _keys(a, file, f"{path}.args[{i}]", {"tmap", "box"}, {"format", "matrix"})
+            # a plane of a packed weight: `format`, `matrix` (its [rows, cols] as expressions of the dims), `plane`
+            _keys(a, file, f"{path}.args[{i}]", {"tmap", "box"}, {"format", "matrix", "plane"})
             _need(a["tmap"] in op.inputs or a["tmap"] in op.outputs, file, f"{path}.args[{i}].tmap",
                   f"unknown tensor {a['tmap']!r}")
             box = [int(eval(low(b, f'{path}.args[{i}].box', set()))) for b in a["box"]]  # noqa: S307 constants only
             arg = {"tmap": a["tmap"], "box": box}
-            if "format" in a or "matrix" in a:
+            if "format" in a or "matrix" in a or "plane" in a:
                 _need("format" in a and "matrix" in a, file, f"{path}.args[{i}]", "`format` and `matrix` go together")
-                _need(a["format"] in PACKED_CODE_FORMATS, file, f"{path}.args[{i}].format",
-                      f"unknown format {a['format']!r} (allowed: {', '.join(PACKED_CODE_FORMATS)})")
+                _need(a["format"] in PACKED_TMA_PLANES, file, f"{path}.args[{i}].format",
+                      f"unknown format {a['format']!r} (allowed: {', '.join(PACKED_TMA_PLANES)})")
                 _need(isinstance(a["matrix"], list) and len(a["matrix"]) == 2, file, f"{path}.args[{i}].matrix",
                       "expected [rows, cols]")
-                arg.update(format=a["format"], matrix=[low(e, f"{path}.args[{i}].matrix[{j}]", dims)
-                                                       for j, e in enumerate(a["matrix"])])
+                planes = PACKED_TMA_PLANES[a["format"]]
+                _need(a.get("plane", 0) in range(planes), file, f"{path}.args[{i}].plane",
+                      f"{a['format']} has no plane {a.get('plane')!r} (allowed: {', '.join(map(str, range(planes)))})")
+                arg.update(format=a["format"], plane=a.get("plane", 0),
+                           matrix=[low(e, f"{path}.args[{i}].matrix[{j}]", dims) for j, e in enumerate(a["matrix"])])
             out["args"].append(arg)
     return out
 

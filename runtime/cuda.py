@@ -120,10 +120,11 @@ def encode_tmap_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int,
     return desc
 
 
-def encode_tmap_codes(ptr: int, fmt: str, rows: int, cols: int, box_rows: int, box_bytes: int):
-    """A 3-D TMA descriptor (u8, no swizzle, zero fill) over the code planes of a packed [rows, cols] matrix
-    (rowtile128-v1, specs/formats.md §3): dims {code bytes of a row, 128 rows, tiles}, so a box of box_rows rows
-    (a divisor of 128) at (byte, row in tile, tile) never crosses into a tile's other planes. Whole tiles only."""
+def encode_tmap_codes(ptr: int, fmt: str, rows: int, cols: int, box_rows: int, box_bytes: int, plane: int = 0):
+    """A 3-D TMA descriptor (u8, no swizzle, zero fill) over one plane of a packed [rows, cols] matrix (rowtile128-v1,
+    specs/formats.md §3; plane 0: the codes, 1: q5 / q6's high bits): dims {the plane's bytes of a row, 128 rows,
+    tiles}, so a box of box_rows rows (a divisor of 128) at (byte, row in tile, tile) stays inside one tile's plane.
+    Whole tiles only."""
     from cuda.bindings import driver
 
     from .format_base import PLANE_ALIGN, TILE_ROWS, align_up
@@ -132,11 +133,13 @@ def encode_tmap_codes(ptr: int, fmt: str, rows: int, cols: int, box_rows: int, b
     if rows % TILE_ROWS or TILE_ROWS % box_rows:
         raise ValueError(f"encode_tmap_codes: {rows} rows (a multiple of {TILE_ROWS} needed), box of {box_rows} rows")
     kp = align_up(cols, 128)
-    tile = sum(align_up(p, PLANE_ALIGN) for p in f.plane_sizes(TILE_ROWS, kp))
-    row_bytes = f.plane_sizes(1, kp)[0]
+    sizes = f.plane_sizes(TILE_ROWS, kp)
+    tile = sum(align_up(p, PLANE_ALIGN) for p in sizes)
+    offset = sum(align_up(p, PLANE_ALIGN) for p in sizes[:plane])
+    row_bytes = f.plane_sizes(1, kp)[plane]
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     tmap = check(driver.cuTensorMapEncodeTiled(
-        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, ptr,
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, ptr + offset,
         [u64(row_bytes), u64(TILE_ROWS), u64(rows // TILE_ROWS)], [u64(row_bytes), u64(tile)],
         [u32(box_bytes), u32(box_rows), u32(1)], [u32(1), u32(1), u32(1)],
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,

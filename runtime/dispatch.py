@@ -251,9 +251,10 @@ class CudaBackend(Backend):
             if a == "workspace":
                 hold = self.workspace(int(evaluate(kernel.workspace, env)))
                 values.append(ctypes.c_uint64(hold.data_ptr()))
-            elif isinstance(a, dict) and "format" in a:   # the code planes of a packed matrix
+            elif isinstance(a, dict) and "format" in a:   # a plane of a packed matrix (codes, high bits)
                 rows, cols = (int(evaluate(e, env)) for e in a["matrix"])
-                values.append(encode_tmap_codes(tensors[a["tmap"]].data_ptr(), a["format"], rows, cols, *a["box"]))
+                values.append(encode_tmap_codes(tensors[a["tmap"]].data_ptr(), a["format"], rows, cols, *a["box"],
+                                                plane=a.get("plane", 0)))
             elif isinstance(a, dict):
                 t = tensors[a["tmap"]]
                 rows, cols = t.shape[0], t.shape[-1]

@@ -1,4 +1,4 @@
-"""The Hopper prefill GEMMs with the q4 codes decoded inside them: the `wgmma_rs` routes of linear_q4 and
+"""The Hopper prefill GEMMs with the codes decoded inside them: the `wgmma_rs` routes of linear_q4 / q5 / q6 and
 linear_swiglu_q4 (codegen/templates/linear_wgmma_rs.cu.j2: the weights as wgmma's register operand).
 
 Every tile against the reference (the op's tolerance, linear_tc) at T around its tile boundaries, on whole
@@ -26,13 +26,13 @@ def wgmma_tiles(op: str) -> list[str]:
     return sorted(f"{r['name']}.{t}" for r in spec["routes"] if r["name"] == "wgmma_rs" for t in r["tiles"])
 
 
-def packed(n: int, k: int, seed: int) -> torch.Tensor:
+def packed(n: int, k: int, seed: int, fmt: str = "q4") -> torch.Tensor:
     rng = np.random.default_rng(seed)
-    return torch.from_numpy(formats.encode("q4", (rng.standard_normal((n, k)) * 0.05).astype(np.float32))).cuda()
+    return torch.from_numpy(formats.encode(fmt, (rng.standard_normal((n, k)) * 0.05).astype(np.float32))).cuda()
 
 
 def check(be, op: str, tile: str, w: torch.Tensor, T: int, dims: dict, seed: int) -> list[str]:
-    """The route against the reference (tolerance) and against dequant_q4 + the dense op (bit for bit)."""
+    """The route against the reference (tolerance) and against dequant_<fmt> + the dense op."""
     from ninfer.runtime.dispatch import ReferenceBackend
     from ninfer.runtime.tolerance import compare
     swiglu = op == "linear_swiglu_q4"
@@ -48,7 +48,7 @@ def check(be, op: str, tile: str, w: torch.Tensor, T: int, dims: dict, seed: int
     yref = torch.empty_like(y)
     ReferenceBackend(be.manifest).run(op, x=x.clone(), w=w.clone(), y=yref)
     dense = torch.empty(rows, K, device="cuda", dtype=torch.bfloat16)
-    be.run("dequant_q4", w=w, y=dense)
+    be.run(f"dequant_{op.rsplit('_', 1)[1]}", w=w, y=dense)
     ydense = torch.empty_like(y)
     be.run("linear_swiglu" if swiglu else "linear", route="wgmma.m128n256k64s4c2", x=x, w=dense, y=ydense)
     torch.cuda.synchronize()
@@ -61,19 +61,19 @@ def check(be, op: str, tile: str, w: torch.Tensor, T: int, dims: dict, seed: int
         bad.append(v.detail)
     diff = (y.float() - ydense.float()).abs()   # one bf16 rounding apart (2^-8 relative), and cancellation near 0
     if not bool((diff <= 2.0 ** -7 * ydense.float().abs() + 1e-3 * ydense.float().abs().max()).all()):
-        bad.append(f"{where}: differs from dequant_q4 + dense GEMM at {int((diff > 0).sum())} of {y.numel()} "
+        bad.append(f"{where}: differs from dequant + dense GEMM at {int((diff > 0).sum())} of {y.numel()} "
                    f"(max {diff.max().item():.3e})")
     return bad
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", wgmma_tiles("linear_q4"))
-def test_linear_q4_every_wgmma_tile(be, tile):
+@pytest.mark.parametrize("op,tile", [(f"linear_{f}", t) for f in ("q4", "q5", "q6") for t in wgmma_tiles(f"linear_{f}")])
+def test_linear_every_wgmma_tile(be, op, tile):
     bad = []
     for N, K in [(128, 512), (384, 1024), (640, 1536)]:
-        w = packed(N, K, seed=N + K)
+        w = packed(N, K, seed=N + K, fmt=op.rsplit("_", 1)[1])
         for T in TS:
-            bad += check(be, "linear_q4", tile, w, T, {"N": N, "K": K}, seed=T * 7 + N)
+            bad += check(be, op, tile, w, T, {"N": N, "K": K}, seed=T * 7 + N)
     assert not bad, "\n".join(bad)
 
 
@@ -90,15 +90,17 @@ def test_linear_swiglu_q4_every_wgmma_tile(be, tile):
 
 @pytest.mark.gpu
 def test_real_27b_shapes(be):
-    """The 27B MLP (gate_up 2 x 17408 x 5120, down 5120 x 17408) and GDN out (5120 x 6144) at a prefill chunk."""
+    """The 27B MLP (gate_up 2 x 17408 x 5120, down 5120 x 17408) and GDN out (5120 x 6144) at a prefill chunk, in
+    every format with a wgmma_rs route."""
     bad = []
     w = packed(2 * 17408, 5120, seed=1)
     for tile in wgmma_tiles("linear_swiglu_q4"):
         bad += check(be, "linear_swiglu_q4", tile, w, 1000, {"I": 17408, "K": 5120}, seed=2)
-    for N, K in [(5120, 17408), (5120, 6144)]:
-        w = packed(N, K, seed=N + K)
-        for tile in wgmma_tiles("linear_q4"):
-            bad += check(be, "linear_q4", tile, w, 1000, {"N": N, "K": K}, seed=3)
+    for fmt in ("q4", "q5", "q6"):
+        for N, K in [(5120, 17408), (5120, 6144)]:
+            w = packed(N, K, seed=N + K, fmt=fmt)
+            for tile in wgmma_tiles(f"linear_{fmt}"):
+                bad += check(be, f"linear_{fmt}", tile, w, 1000, {"N": N, "K": K}, seed=3)
     assert not bad, "\n".join(bad)
 
 

@@ -1,11 +1,12 @@
-"""CPU emulation of the A fragments of linear_q4 / linear_swiglu_q4's `wgmma_rs` route
-(codegen/templates/linear_wgmma_rs.cu.j2), so its index math is checked where there is no GPU.
+"""CPU emulation of the A fragments of the `wgmma_rs` routes (linear_q4 / q5 / q6, linear_swiglu_q4;
+codegen/templates/linear_wgmma_rs.cu.j2), so their index math is checked where there is no GPU.
 
 For every consumer thread of a block and every k-tile it mirrors the template line by line: which code row of the
-TMA slot it reads, where its scale row is in the packed matrix (tile_bytes = 68 K, the scale plane at 64 K, K / 32
-bytes a row), byte q of each code word, the exact fp32 decode, and the slot of each bf16 pair in the A fragments.
-The weights implied by those fragments under the PTX m64k16 A layout (as mma.m16n8k16's, one 16-row slab per
-warp) must be dequant_q4's exact bf16 values. A change to the template's mapping must be made here too."""
+TMA slot it reads (and for q5 / q6 which high-bit bytes of the second box), where its scale row is in the packed
+matrix (tile = (64 + 16 HIGH + 4) K bytes, the scales after the code and high-bit planes, K / 32 bytes a row),
+byte q of each code word, the exact fp32 decode, and the slot of each bf16 pair in the A fragments. The weights
+implied by those fragments under the PTX m64k16 A layout (as mma.m16n8k16's, one 16-row slab per warp) must be
+dequant_<fmt>'s exact bf16 values. A change to the template's mapping must be made here too."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,23 +20,36 @@ from tests.mma_emulation import bf16_bits
 F32 = np.float32
 
 
+def _at(bits: int, offset: float, scale) -> np.float32:
+    return F32(F32(np.array([bits | 0x4B000000], np.uint32).view(F32)[0] - F32(offset)) * F32(scale))
+
+
 def decode_q4x2(u: int, s: float) -> int:
     """The template's decode_q4x2: byte u ^ 0x88 -> bf16 pair bits (low half: the even lane)."""
-    def at(bits, offset, scale):
-        return F32(F32(np.array([bits | 0x4B000000], np.uint32).view(F32)[0] - F32(offset)) * F32(scale))
-    lo, hi = at(u & 0xF, 8388616.0, s), at(u & 0xF0, 8388736.0, F32(s) * F32(0.0625))
+    lo, hi = _at(u & 0xF, 8388616.0, s), _at(u & 0xF0, 8388736.0, F32(s) * F32(0.0625))
     return int(bf16_bits(lo)) | int(bf16_bits(hi)) << 16
 
 
-def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, bn: int = 128) -> np.ndarray:
+def decode_hx2(x: int, hb: int, s: float, high: int) -> int:
+    """The template's decode_hx2 for q5 (high 1) / q6 (high 2)."""
+    m = (1 << high) - 1
+    lo = ((x & 0xF) | ((hb & m) << 4)) ^ (1 << (high + 3))
+    hi = ((x & 0xF0) | (((hb >> high) & m) << 8)) ^ (1 << (high + 7))
+    flo = _at(lo, 8388608.0 + (1 << (high + 3)), s)
+    fhi = _at(hi, 8388608.0 + (1 << (high + 7)), F32(s) * F32(0.0625))
+    return int(bf16_bits(flo)) | int(bf16_bits(fhi)) << 16
+
+
+def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, high: int = 0, bn: int = 128) -> np.ndarray:
     """The bf16 weights each consumer thread of one block feeds wgmma, placed by the A-fragment layout:
-    [bn block rows, K] float32 (swiglu: gate rows, then up rows)."""
-    tile_bytes, rows_total = 68 * K, (2 * N if swiglu else N)
+    [bn block rows, K] float32 (swiglu: gate rows, then up rows). high: 0 (q4), 1 (q5), 2 (q6)."""
+    planes = 64 + 16 * high
+    tile_bytes, rows_total = (planes + 4) * K, (2 * N if swiglu else N)
     out = np.full((bn, K), np.nan, np.float32)
     box_rows = min(bn // 2 if swiglu else bn, 128)
     for kt in range(K // 64):
         # the code boxes of this k-tile as TMA lands them in the slot: block row r at r * 32
-        slot = bytearray(bn * 32)
+        slot, hslot = bytearray(bn * 32), bytearray(bn * 16)
         for b in range(bn // box_rows):
             g0 = (n0 + b * box_rows if b < bn // box_rows // 2 else N + n0 + (b - bn // box_rows // 2) * box_rows) \
                 if swiglu else n0 + b * box_rows
@@ -43,6 +57,9 @@ def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, bn: i
                 g = g0 + r
                 src = (g >> 7) * tile_bytes + (g & 127) * (K // 2) + kt * 32
                 slot[(b * box_rows + r) * 32:(b * box_rows + r + 1) * 32] = w[src:src + 32] if g < rows_total else bytes(32)
+                if high:   # the high-bit box: 16 bytes at byte (kt >> 1) * 16 (q5) or kt * 16 (q6) of the row's plane
+                    hsrc = (g >> 7) * tile_bytes + 64 * K + (g & 127) * (K * high // 8) + ((kt >> 1) * 16 if high == 1 else kt * 16)
+                    hslot[(b * box_rows + r) * 16:(b * box_rows + r + 1) * 16] = w[hsrc:hsrc + 16] if g < rows_total else bytes(16)
         for c in range(2):
             for wi in range(4):
                 for lane in range(32):
@@ -51,11 +68,21 @@ def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, bn: i
                     lrows = [c * 64 + wi * 16 + g + 8 * h for h in range(2)]
                     for h, lrow in enumerate(lrows):
                         n = ((n0 if c == 0 else N + n0 - 64) + lrow) if swiglu else n0 + lrow
-                        srow = (n >> 7) * tile_bytes + 64 * K + (n & 127) * (K // 32)
+                        srow = (n >> 7) * tile_bytes + planes * K + (n & 127) * (K // 32)
                         s = F32(np.frombuffer(w[srow + 2 * kt:srow + 2 * kt + 2], np.float16)[0])
                         words = np.frombuffer(bytes(slot[lrow * 32:lrow * 32 + 32]), "<u4")
+                        hw = np.frombuffer(bytes(hslot[lrow * 16:lrow * 16 + 16]), "<u4").astype(np.int64)
                         for m in range(8):
-                            frag[m >> 1, h + 2 * (m & 1)] = decode_q4x2(((int(words[m]) >> (8 * q)) ^ 0x88) & 0xFF, s)
+                            x = int(words[m]) >> (8 * q)
+                            if high == 0:
+                                pair = decode_q4x2((x ^ 0x88) & 0xFF, s)
+                            elif high == 1:   # bits 2q, 2q+1 of byte m of this k-tile's half of the box
+                                hq = [int(hw[2 * (kt & 1)]) >> (2 * q), int(hw[2 * (kt & 1) + 1]) >> (2 * q)]
+                                pair = decode_hx2(x, hq[m >> 2] >> (8 * (m & 3)), s, 1)
+                            else:             # bits 16 (m % 2) + 4q .. +3 of word m / 2
+                                hq = [int(v) >> (4 * q) for v in hw]
+                                pair = decode_hx2(x, hq[m >> 1] >> (16 * (m & 1)), s, 2)
+                            frag[m >> 1, h + 2 * (m & 1)] = pair
                     # PTX A layout: a0 (row g, cols 2q, 2q+1), a1 (row g+8), a2 (row g, cols 2q+8, +9), a3 (row g+8)
                     for kk in range(4):
                         for a, (dr, dc) in enumerate([(0, 0), (8, 0), (0, 8), (8, 8)]):
@@ -66,16 +93,16 @@ def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, bn: i
     return out
 
 
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_fragments_hold_dequant_values(swiglu):
+@pytest.mark.parametrize("fmt,swiglu", [("q4", False), ("q4", True), ("q5", False), ("q6", False)])
+def test_fragments_hold_dequant_values(fmt, swiglu):
     N, K = 256, 512
     rows = 2 * N if swiglu else N
-    pw = random_packed("q4", (rows, K), "cpu", torch.Generator().manual_seed(3), 0.05)
-    dense = unpack("q4", pw.data, rows, K).to(torch.bfloat16).float().numpy()   # dequant_q4's values
+    pw = random_packed(fmt, (rows, K), "cpu", torch.Generator().manual_seed(3), 0.05)
+    dense = unpack(fmt, pw.data, rows, K).to(torch.bfloat16).float().numpy()   # dequant_<fmt>'s values
     w = pw.data.numpy().tobytes()
     bn_out = 64 if swiglu else 128
     for n0 in (0, N - bn_out):   # the first block and the last (the second 128-row tile)
-        got = emulate_block_weights(w, N, K, n0, swiglu)
+        got = emulate_block_weights(w, N, K, n0, swiglu, {"q4": 0, "q5": 1, "q6": 2}[fmt])
         want = np.concatenate([dense[n0:n0 + 64], dense[N + n0:N + n0 + 64]]) if swiglu else dense[n0:n0 + 128]
         assert not np.isnan(got).any(), "every weight of the block is placed by exactly one fragment"
         np.testing.assert_array_equal(got, want)
