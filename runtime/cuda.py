@@ -103,21 +103,26 @@ def _stream(handle: int):
     return driver.CUstream(handle)
 
 
-def encode_tmap_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, elem_bytes: int = 2):
-    """A 2-D TMA descriptor (bf16, 128-byte swizzle, zero fill) over a row-major [rows, cols] tensor."""
+def _encode_tmap(dtype: str, ptr: int, dims: list, strides: list, box: list, swizzle: str):
+    """A CUtensorMap (zero fill, 256-byte L2 promotion, unit element strides) as the 128 opaque bytes a kernel takes
+    by value. dims and box innermost first; strides in bytes, one fewer than dims."""
     from cuda.bindings import driver
-    dtype = driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t  # newer bindings refuse plain ints in these lists
     tmap = check(driver.cuTensorMapEncodeTiled(
-        dtype, 2, ptr, [u64(cols), u64(rows)], [u64(cols * elem_bytes)], [u32(box_cols), u32(box_rows)],
-        [u32(1), u32(1)],
+        getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{dtype}"), len(dims), ptr,
+        [u64(d) for d in dims], [u64(s) for s in strides], [u32(b) for b in box], [u32(1)] * len(dims),
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-    desc = (ctypes.c_uint64 * 16)()  # the 128 opaque bytes of a CUtensorMap, passed by value
+    desc = (ctypes.c_uint64 * 16)()
     ctypes.memmove(ctypes.addressof(desc), tmap.getPtr(), 128)
     return desc
+
+
+def encode_tmap_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, elem_bytes: int = 2):
+    """A 2-D TMA descriptor (bf16, 128-byte swizzle, zero fill) over a row-major [rows, cols] tensor."""
+    return _encode_tmap("BFLOAT16", ptr, [cols, rows], [cols * elem_bytes], [box_cols, box_rows], "128B")
 
 
 def encode_tmap_codes(ptr: int, fmt: str, rows: int, cols: int, box_rows: int, box_bytes: int, plane: int = 0):
@@ -125,8 +130,6 @@ def encode_tmap_codes(ptr: int, fmt: str, rows: int, cols: int, box_rows: int, b
     specs/formats.md §3; plane 0: the codes, 1: q5 / q6's high bits): dims {the plane's bytes of a row, 128 rows,
     tiles}, so a box of box_rows rows (a divisor of 128) at (byte, row in tile, tile) stays inside one tile's plane.
     Whole tiles only."""
-    from cuda.bindings import driver
-
     from .format_base import PLANE_ALIGN, TILE_ROWS, align_up
     from .formats import get_format
     f = get_format(fmt)
@@ -137,18 +140,8 @@ def encode_tmap_codes(ptr: int, fmt: str, rows: int, cols: int, box_rows: int, b
     tile = sum(align_up(p, PLANE_ALIGN) for p in sizes)
     offset = sum(align_up(p, PLANE_ALIGN) for p in sizes[:plane])
     row_bytes = f.plane_sizes(1, kp)[plane]
-    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
-    tmap = check(driver.cuTensorMapEncodeTiled(
-        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, ptr + offset,
-        [u64(row_bytes), u64(TILE_ROWS), u64(rows // TILE_ROWS)], [u64(row_bytes), u64(tile)],
-        [u32(box_bytes), u32(box_rows), u32(1)], [u32(1), u32(1), u32(1)],
-        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-    desc = (ctypes.c_uint64 * 16)()
-    ctypes.memmove(ctypes.addressof(desc), tmap.getPtr(), 128)
-    return desc
+    return _encode_tmap("UINT8", ptr + offset, [row_bytes, TILE_ROWS, rows // TILE_ROWS], [row_bytes, tile],
+                        [box_bytes, box_rows, 1], "NONE")
 
 
 class Launch:
