@@ -120,9 +120,15 @@ def _encode_tmap(dtype: str, ptr: int, dims: list, strides: list, box: list, swi
     return desc
 
 
-def encode_tmap_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, elem_bytes: int = 2):
-    """A 2-D TMA descriptor (bf16, 128-byte swizzle, zero fill) over a row-major [rows, cols] tensor."""
-    return _encode_tmap("BFLOAT16", ptr, [cols, rows], [cols * elem_bytes], [box_cols, box_rows], "128B")
+def encode_tmap_bf16(ptr: int, shape: list, box: list):
+    """A TMA descriptor (bf16, 128-byte swizzle, zero fill) over a contiguous row-major tensor of this shape; shape
+    and box outermost first (e.g. [rows, cols] and [box_rows, box_cols])."""
+    dims, box = [int(d) for d in reversed(shape)], [int(b) for b in reversed(box)]
+    strides, stride = [], 2
+    for d in dims[:-1]:
+        stride *= d
+        strides.append(stride)
+    return _encode_tmap("BFLOAT16", ptr, dims, strides, box, "128B")
 
 
 def encode_tmap_codes(ptr: int, fmt: str, rows: int, cols: int, box_rows: int, box_bytes: int, plane: int = 0):

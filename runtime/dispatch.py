@@ -229,7 +229,7 @@ class CudaBackend(Backend):
         return self.manifest.kernel(arch, op, route, dtype)
 
     def _plan(self, op: str, *, route: str | None = None, **args):
-        from .cuda import Launch, encode_tmap_2d, encode_tmap_codes
+        from .cuda import Launch, encode_tmap_bf16, encode_tmap_codes
         contract = self.contract(op)
         tensors, params = _split(contract, args)
         dtype = _dtype_of(op, contract, tensors)
@@ -255,10 +255,13 @@ class CudaBackend(Backend):
                 rows, cols = (int(evaluate(e, env)) for e in a["matrix"])
                 values.append(encode_tmap_codes(tensors[a["tmap"]].data_ptr(), a["format"], rows, cols, *a["box"],
                                                 plane=a.get("plane", 0)))
-            elif isinstance(a, dict):
+            elif isinstance(a, dict):   # a box over every dim of the tensor, or over [rows, cols] of a 2-D view
                 t = tensors[a["tmap"]]
-                rows, cols = t.shape[0], t.shape[-1]
-                values.append(encode_tmap_2d(t.data_ptr(), rows, cols, a["box"][0], a["box"][1]))
+                if not t.is_contiguous():
+                    raise ContractError(f"{op}: argument {a['tmap']} must be contiguous (route {kernel.instance} "
+                                        f"reads it through a tensor map)")
+                shape = t.shape if len(a["box"]) == t.dim() else (t.shape[0], t.shape[-1])
+                values.append(encode_tmap_bf16(t.data_ptr(), shape, a["box"]))
             elif a in tensors:
                 values.append(ctypes.c_uint64(tensors[a].data_ptr()))
             elif a in dims:
