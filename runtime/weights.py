@@ -63,6 +63,21 @@ def cat_rows(a, b):
     return None
 
 
+def split_rows(w, n: int):
+    """The rows [0, n) and [n, N) of a loaded matrix as two views of its storage (cat_rows undone), or None where
+    they are not contiguous pieces of it (a packed matrix split inside a 128-row tile)."""
+    if isinstance(w, PackedWeight):
+        rows, k = w.matrix
+        if not 0 < n < rows or not can_cat_rows(w.fmt, (n, k), w.fmt, (rows - n, k)):
+            return None
+        cut = get_format(w.fmt).nbytes((n, k))
+        if cut % 16:   # kernels take 16-byte aligned operands
+            return None
+        return PackedWeight(w.data[:cut], w.fmt, (n, k)), PackedWeight(w.data[cut:], w.fmt, (rows - n, k))
+    ok = w.dim() == 2 and 0 < n < w.shape[0] and (n * w.stride(0) * w.element_size()) % 16 == 0
+    return (w[:n], w[n:]) if ok else None
+
+
 def load_weights(art, device, dtype: torch.dtype, packed: bool = True) -> dict:
     """Every text-model tensor on `device`, copied in chunks from the mapping: direct formats cast to the
     run dtype, packed linear weights kept packed (with `packed`), other packed tensors (the embedding

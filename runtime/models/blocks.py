@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..reference_quant import moe_op
-from ..weights import PackedWeight, cat_rows
+from ..weights import PackedWeight, cat_rows, split_rows
 from .config import HybridConfig
 
 
@@ -220,6 +220,10 @@ class GatedDeltaNet:
         # b and a as one small projection (float roles: recipes never pack them) instead of two launches
         self.in_ba = torch.cat([w[p + "in_b"], w[p + "in_a"]], 0)
         self.conv, self.A_log, self.dt_bias = w[p + "conv"], w[p + "A_log"], w[p + "dt_bias"]
+        # prefill projects [q | k | v] and z apart (each output contiguous for its consumer): the fused matrix's two
+        # row ranges as views where they are whole 128-row tiles, so no [T, channels] copy is made per layer
+        self.in_qkv_z = (split_rows(self.in_qkvz[0], self.conv.shape[0]) if len(self.in_qkvz) == 1 else None) \
+            or self.in_qkvz
         self.norm, self.out = w[p + "norm"], w[p + "out"]
         self.conv_state, self.state = conv_state, state
 
@@ -241,9 +245,9 @@ class GatedDeltaNet:
 
     def _qkv_z(self, be, x):
         """The conv channels [q | k | v] and z projected, each contiguous (prefill)."""
-        if len(self.in_qkvz) == 2:
-            return linear(be, x, self.in_qkvz[0]), linear(be, x, self.in_qkvz[1])
-        qkvz = linear(be, x, self.in_qkvz[0])
+        if len(self.in_qkv_z) == 2:
+            return linear(be, x, self.in_qkv_z[0]), linear(be, x, self.in_qkv_z[1])
+        qkvz = linear(be, x, self.in_qkv_z[0])
         channels = self.conv.shape[0]
         return qkvz[:, :channels].contiguous(), qkvz[:, channels:].contiguous()
 

@@ -111,3 +111,28 @@ def test_takes_packed_follows_the_table_and_constraints(be):
     assert not be.takes_packed("linear_q4", N=5120, K=5120, T=1)       # decode: a GEMV route
     assert be.takes_packed("linear_swiglu_q4", I=17408, K=5120, T=4096)   # its one table: wgmma_rs at every T
     assert not be.takes_packed("linear_swiglu_q4", I=200, K=512, T=4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["q4", "q5", "q6"])
+def test_row_split_views(be, fmt):
+    """A GDN layer's fused [qkv | z] matrix is projected for prefill through split_rows' two views of its storage
+    (no copy of the [T, N] output). Both prefill paths over a view equal their rows of the fused matrix's result
+    bit for bit: dequant_<fmt> into a scratch, and every wgmma_rs tile."""
+    from ninfer.runtime.weights import PackedWeight, split_rows
+    n1, n2, K = 384, 256, 1024
+    fused = PackedWeight(packed(n1 + n2, K, seed=11, fmt=fmt), fmt, (n1 + n2, K))
+    top, bottom = split_rows(fused, n1)
+    parts = lambda whole: (whole[:n1], whole[n1:])  # noqa: E731
+    dense = [torch.empty(w.matrix, device="cuda", dtype=torch.bfloat16) for w in (fused, top, bottom)]
+    for w, y in zip((fused, top, bottom), dense):
+        be.run(f"dequant_{fmt}", w=w.data, y=y)
+    assert all(torch.equal(a, b) for a, b in zip(dense[1:], parts(dense[0])))
+    x = torch.randn(300, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).bfloat16()
+    for tile in wgmma_tiles(f"linear_{fmt}"):
+        ys = []
+        for w in (fused, top, bottom):
+            y = torch.empty(300, w.matrix[0], device="cuda", dtype=torch.bfloat16)
+            be.run(f"linear_{fmt}", route=tile, x=x, w=w.data, y=y)
+            ys.append(y)
+        assert torch.equal(ys[1], ys[0][:, :n1]) and torch.equal(ys[2], ys[0][:, n1:]), tile

@@ -161,6 +161,34 @@ def test_cat_rows_appends_whole_tiles(fmt):
     assert cat_rows(pa, PackedWeight(torch.from_numpy(encode(other, b)), other, b.shape)) is None
 
 
+@pytest.mark.parametrize("fmt", PACKED)
+def test_split_rows_undoes_cat_rows(fmt):
+    """split_rows(cat_rows(a, b), rows of a) gives views of the joined storage equal to a's and b's bytes; a cut
+    inside a 128-row tile (or at either end) is declined."""
+    from ninfer.runtime.formats import get_format
+    from ninfer.runtime.weights import cat_rows, split_rows
+    if get_format(fmt).header_bytes:
+        pytest.skip(f"{fmt} matrices carry a header: cat_rows declines them")
+    rng = np.random.default_rng(4)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in ((256, 200), (77, 200)))
+    pa, pb = (PackedWeight(torch.from_numpy(encode(fmt, m)), fmt, m.shape) for m in (a, b))
+    joined = cat_rows(pa, pb)
+    top, bottom = split_rows(joined, 256)
+    assert (top.shape, bottom.shape) == ((256, 200), (77, 200))
+    assert torch.equal(top.data, pa.data) and torch.equal(bottom.data, pb.data)
+    assert top.data.data_ptr() == joined.data.data_ptr()                   # views, no copy
+    assert split_rows(joined, 130) is None and split_rows(joined, 0) is None and split_rows(joined, 333) is None
+
+
+def test_split_rows_of_float_tensors():
+    from ninfer.runtime.weights import split_rows
+    w = torch.randn(12, 6)
+    top, bottom = split_rows(w, 4)
+    assert torch.equal(top, w[:4]) and torch.equal(bottom, w[4:]) and bottom.data_ptr() == w[4:].data_ptr()
+    assert split_rows(w, 3) is None       # 3 rows of 6 fp32 (72 bytes): the second view would not be 16-byte aligned
+    assert split_rows(w, 12) is None
+
+
 def test_cat_rows_of_float_tensors():
     from ninfer.runtime.weights import cat_rows
     a, b = torch.randn(3, 8), torch.randn(5, 8)
