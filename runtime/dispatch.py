@@ -90,7 +90,7 @@ class Backend:
 
     def takes_packed(self, op: str, **dims) -> bool:
         """Whether `op` (a packed-weight op such as linear_q4) runs at these dims (T included) on a route that reads
-        the packed matrix in a prefill GEMM (`wgmma_rs`: decoded inside the GEMM), so the model need not dequantize
+        the packed matrix in a prefill GEMM (`wgmma_rs*`: decoded inside the GEMM), so the model need not dequantize
         it first. The reference backend decodes every packed op the same way: no."""
         return False
 
@@ -205,7 +205,7 @@ class CudaBackend(Backend):
         kernel = self.manifest.resolve(self.device.arch, op, "bf16", {d: dims[d] for d in contract["problem"]},
                                        dims["T"], self.device.name)
         env = {**dims, "SMS": self.device.sm_count}
-        return kernel.route == "wgmma_rs" and all(evaluate(c, env) for c in kernel.constraints)
+        return kernel.route.startswith("wgmma_rs") and all(evaluate(c, env) for c in kernel.constraints)
 
     def workspace(self, nbytes: int):
         """Scratch memory for routes that declare a workspace. One buffer serves every plan: launches are

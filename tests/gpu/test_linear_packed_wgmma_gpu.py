@@ -21,9 +21,9 @@ TS = [1, 127, 128, 129, 255, 256, 257, 300]
 
 
 def wgmma_tiles(op: str) -> list[str]:
-    """The `route.tile` instances of the op's wgmma routes."""
+    """The `route.tile` instances of the op's wgmma_rs routes (wgmma_rs, wgmma_rs_persist)."""
     spec = yaml.safe_load((ROOT / "specs" / "routes" / f"{op}.yaml").read_text())
-    return sorted(f"{r['name']}.{t}" for r in spec["routes"] if r["name"] == "wgmma_rs" for t in r["tiles"])
+    return sorted(f"{r['name']}.{t}" for r in spec["routes"] if r["name"].startswith("wgmma_rs") for t in r["tiles"])
 
 
 def packed(n: int, k: int, seed: int, fmt: str = "q4") -> torch.Tensor:

@@ -42,7 +42,8 @@ def decode_hx2(x: int, hb: int, s: float, high: int) -> int:
 
 def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, high: int = 0, bn: int = 128) -> np.ndarray:
     """The bf16 weights each consumer thread of one block feeds wgmma, placed by the A-fragment layout:
-    [bn block rows, K] float32 (swiglu: gate rows, then up rows). high: 0 (q4), 1 (q5), 2 (q6)."""
+    [bn A rows, K] float32 (swiglu: in each 16-row warp slice 8 gate rows, then their up rows). high: 0 (q4),
+    1 (q5), 2 (q6)."""
     planes = 64 + 16 * high
     tile_bytes, rows_total = (planes + 4) * K, (2 * N if swiglu else N)
     out = np.full((bn, K), np.nan, np.float32)
@@ -65,9 +66,11 @@ def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, high:
                 for lane in range(32):
                     g, q = lane >> 2, lane & 3
                     frag = np.zeros((4, 4), np.uint32)   # [k16 step][a0..a3]
-                    lrows = [c * 64 + wi * 16 + g + 8 * h for h in range(2)]
+                    arow = c * 64 + wi * 16 + g   # the thread's A rows: arow (h = 0) and arow + 8 (h = 1)
+                    # their code rows in the slot; swiglu: a gate row and its up row (64 slot rows further)
+                    lrows = [64 * h + 32 * c + 8 * wi + g if swiglu else arow + 8 * h for h in range(2)]
                     for h, lrow in enumerate(lrows):
-                        n = ((n0 if c == 0 else N + n0 - 64) + lrow) if swiglu else n0 + lrow
+                        n = h * N + n0 + 32 * c + 8 * wi + g if swiglu else n0 + lrow
                         srow = (n >> 7) * tile_bytes + planes * K + (n & 127) * (K // 32)
                         s = F32(np.frombuffer(w[srow + 2 * kt:srow + 2 * kt + 2], np.float16)[0])
                         words = np.frombuffer(bytes(slot[lrow * 32:lrow * 32 + 32]), "<u4")
@@ -89,7 +92,7 @@ def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, high:
                             pair = frag[kk, a]
                             for e in range(2):
                                 bits = np.array([(int(pair) >> (16 * e) & 0xFFFF) << 16], np.uint32)
-                                out[lrows[0] + dr, kt * 64 + 16 * kk + 2 * q + dc + e] = bits.view(F32)[0]
+                                out[arow + dr, kt * 64 + 16 * kk + 2 * q + dc + e] = bits.view(F32)[0]
     return out
 
 
@@ -103,6 +106,10 @@ def test_fragments_hold_dequant_values(fmt, swiglu):
     bn_out = 64 if swiglu else 128
     for n0 in (0, N - bn_out):   # the first block and the last (the second 128-row tile)
         got = emulate_block_weights(w, N, K, n0, swiglu, {"q4": 0, "q5": 1, "q6": 2}[fmt])
-        want = np.concatenate([dense[n0:n0 + 64], dense[N + n0:N + n0 + 64]]) if swiglu else dense[n0:n0 + 128]
+        if swiglu:   # A row 64 c + 16 wi + 8 h + g: gate (h = 0) or up (h = 1) row of output n0 + 32 c + 8 wi + g
+            rows_of = [h * N + n0 + 32 * c + 8 * wi + g for c in range(2) for wi in range(4) for h in range(2) for g in range(8)]
+            want = dense[rows_of]
+        else:
+            want = dense[n0:n0 + 128]
         assert not np.isnan(got).any(), "every weight of the block is placed by exactly one fragment"
         np.testing.assert_array_equal(got, want)
