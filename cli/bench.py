@@ -113,7 +113,8 @@ def _time_graph(torch, plans, reps: int, launches: int = 20) -> float:
 
 
 OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5},
-             "paged_attention_split": {"scale": 256 ** -0.5}, "gdn_decode": {"scale": 128 ** -0.5}}
+             "paged_attention_split": {"scale": 256 ** -0.5}, "gdn_decode": {"scale": 128 ** -0.5},
+             "attn_qk_prep": {"theta": 1.0e7, "rotary_dim": 64}}
 
 
 def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None, routes: tuple[str, ...] = ()) -> None:

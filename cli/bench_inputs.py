@@ -95,6 +95,8 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         dims["N"] = 2 * dims["I"]
     if packed:
         dims["WB"] = nbytes(packed, (dims["N"], dims["K"]))
+    if op == "attn_qk_prep":   # the fused projection row: [q | gate] per head, then k, then v
+        dims["W"] = 2 * dims["NH"] * dims["D"] + 2 * dims["NKV"] * dims["D"]
 
     ts = {}
     for name, spec in {**contract["inputs"], **contract["outputs"]}.items():

@@ -133,18 +133,21 @@ def layer_problems(cfg) -> list[tuple[str, dict]]:
 
 
 def mixer_problems(cfg, page_size: int = 16) -> list[tuple[str, dict]]:
-    """The token mixers' ops with several routes: GDN's prefill conv ({C, KW}) and delta rule ({HV, DK, DV}: one
-    sequence of T tokens) and its fused decode step ({H, HK, R, DK, DV}); the paged attention of prefill and
-    decode with its flash-decoding pair ({NH, NKV, D, BS} at the engine's page size; merge_attn_states {NH, D})."""
+    """The token mixers' ops with several routes: GDN's prefill conv ({C, KW}), delta rule ({HV, DK, DV}: one
+    sequence of T tokens) and gated norm ({HV, DV}) and its fused decode step ({H, HK, R, DK, DV}); the attention's
+    q/k norm and RoPE ({NH, NKV, D}) and its paged attention of prefill and decode with the flash-decoding pair
+    ({NH, NKV, D, BS} at the engine's page size; merge_attn_states {NH, D})."""
     out = []
     if not all(cfg.is_attention(i) for i in range(cfg.layers)):
         out += [("gdn_conv", {"C": cfg.conv_channels, "KW": cfg.conv_width}),
                 ("gdn_delta_rule", {"HV": cfg.v_heads, "DK": cfg.k_dim, "DV": cfg.v_dim}),
                 ("gdn_decode", {"H": cfg.hidden, "HK": cfg.k_heads, "R": cfg.v_heads // cfg.k_heads,
-                                "DK": cfg.k_dim, "DV": cfg.v_dim})]
+                                "DK": cfg.k_dim, "DV": cfg.v_dim}),
+                ("gdn_gated_norm", {"HV": cfg.v_heads, "DV": cfg.v_dim})]
     if any(cfg.is_attention(i) for i in range(cfg.layers)):
         attn = {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim, "BS": page_size}
-        out += [("paged_attention", attn), ("paged_attention_split", dict(attn)),
+        out += [("attn_qk_prep", {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim}),
+                ("paged_attention", attn), ("paged_attention_split", dict(attn)),
                 ("merge_attn_states", {"NH": cfg.heads, "D": cfg.head_dim})]
     return out
 

@@ -81,6 +81,18 @@ def test_attn_qk_prep(be, ref, problem, T):
     _check(be, ref, "attn_qk_prep", ts, dict(theta=theta, rotary_dim=R, eps=1e-6), exact=("gate", "v"))
 
 
+@pytest.mark.parametrize("route", _instances("attn_qk_prep"))
+@pytest.mark.parametrize("T", [1, 5, 300])
+@pytest.mark.parametrize("problem", QK_PROBLEMS, ids=str)
+def test_attn_qk_prep_every_route(be, ref, route, problem, T):
+    """Every route instance at a count of jobs that does and does not fill its blocks."""
+    NH, NKV, D, R, theta = problem
+    gen = torch.Generator(device="cuda").manual_seed(T * 17 + D)
+    ts = qk_prep_inputs(T, NH, NKV, D, gen)
+    assert _check(be, ref, "attn_qk_prep", ts, dict(theta=theta, rotary_dim=R, eps=1e-6), route=route,
+                  exact=("gate", "v")) == route
+
+
 def test_attn_qk_prep_positions_in_order(be, ref):
     """A prefill chunk: positions 5000..6023, as the engine sends them."""
     gen = torch.Generator(device="cuda").manual_seed(5)
