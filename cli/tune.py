@@ -78,7 +78,7 @@ def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
     """stored: tensor name -> (shape, format). A packed matrix runs linear_<format> (decode) and, from
     DEQUANT_MIN_T tokens on, the bf16 `linear` over its decoded copy (prefill); a float one runs `linear`.
     A tied lm_head is the embedding table; GDN b|a is one bf16 projection, and GDN qkv|z one where their
-    storage joins (models/blocks.py)."""
+    storage joins (models/blocks.py: decode runs the joined matrix, prefill its two row views, so both count)."""
     from ninfer.runtime.models.blocks import DEQUANT_MAX_BYTES
     from ninfer.runtime.reference_quant import PACKED
     from ninfer.runtime.weights import can_cat_rows
@@ -90,7 +90,6 @@ def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
         (sa, fa), (sb, fb) = stored[qkv], stored.get(z, ((), None))
         if fb is not None and can_cat_rows(fa, sa, fb, sb):
             stored[qkv + "z"] = ((sa[0] + sb[0], sa[1]), fa)
-            del stored[qkv], stored[z]
     for name, (s, fmt) in stored.items():
         if len(s) != 2 or name == "embed" or name.endswith(("router", "conv", "in_b", "in_a")):
             continue     # not run through a linear op (embedding, moe_router, gdn_conv) or fused (b|a)

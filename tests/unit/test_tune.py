@@ -50,10 +50,11 @@ def test_model_problems_are_the_linear_shapes_and_the_norms():
     got = model_problems("qwen3.6-27b", "q4")
     assert ("linear_q4", {"N": 34816, "K": 5120}) in got and ("linear_q4", {"N": 248320, "K": 5120}) in got
     assert ("linear", {"N": 96, "K": 5120}) in got            # the GDN b|a projection runs bf16
-    # GDN qkv (10240 rows) and z (6144) run as one projection at decode (GatedDeltaNet.fuse_weights); prefill's
-    # two row views of it (split_rows) are not tuned: their GEMMs take the default tables
+    # GDN qkv (10240 rows) and z (6144) run as one projection at decode (GatedDeltaNet.fuse_weights) and as its
+    # two row views at prefill (split_rows): all three are problems, the views' bf16 GEMM (dequant path) too
     assert ("linear_q4", {"N": 16384, "K": 5120}) in got
-    assert not {(10240, 5120), (6144, 5120)} & {(p["N"], p["K"]) for op, p in got if op.startswith("linear")}
+    assert {("linear_q4", 10240), ("linear_q4", 6144), ("linear", 10240), ("linear", 6144)} <= \
+        {(op, p["N"]) for op, p in got if op.startswith("linear") and p["K"] == 5120}
     assert {op for op, _ in got} == {"linear", "linear_q4", "add_rms_norm_zc", "rms_norm_zc", "gdn_conv", "gdn_delta_rule",
                                      "gdn_gated_norm", "gdn_decode", "attn_qk_prep", "paged_attention",
                                      "paged_attention_split", "merge_attn_states"}
