@@ -80,6 +80,7 @@ def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
     A tied lm_head is the embedding table; GDN b|a is one bf16 projection, and GDN qkv|z one where their
     storage joins (models/blocks.py: decode runs the joined matrix, prefill its two row views, so both count)."""
     from ninfer.runtime.models.blocks import DEQUANT_MAX_BYTES
+    from ninfer.runtime.paths import ROOT
     from ninfer.runtime.reference_quant import PACKED
     from ninfer.runtime.weights import can_cat_rows
     out, stored = set(), dict(stored)
@@ -99,7 +100,12 @@ def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
             out.add(("linear", s[0], s[1]))
     if not all(cfg.is_attention(i) for i in range(cfg.layers)):
         out.add(("linear", 2 * cfg.v_heads, cfg.hidden))
-    return [(op, {"N": n, "K": k}) for op, n, k in sorted(out)]
+    # a packed [gate | up] matrix of a dense MLP (or a MoE's shared expert) also runs linear_swiglu_<fmt>, where
+    # that op exists (specs/ops): SwiGLU in the GEMM's epilogue (DenseMLP)
+    swiglu = sorted({(f"linear_swiglu_{fmt}", s[0] // 2, s[1]) for name, (s, fmt) in stored.items()
+                     if name.endswith("gate_up") and len(s) == 2 and fmt in PACKED
+                     and (ROOT / "specs" / "ops" / f"linear_swiglu_{fmt}.yaml").is_file()})
+    return [(op, {"N": n, "K": k}) for op, n, k in sorted(out)] + [(op, {"I": i, "K": k}) for op, i, k in swiglu]
 
 
 def expert_problems(cfg, stored: dict) -> list[tuple[str, dict]]:

@@ -88,11 +88,15 @@ class Backend:
         """Whether this backend runs `op` (the reference backend runs every op; cuda, those with kernels here)."""
         return op in self.manifest.ops
 
+    def resolved_route(self, op: str, **dims) -> str | None:
+        """The route `op` runs on at these dims (T included) by this backend's tables, where its constraints hold;
+        None where the backend has no such table (the reference backend: none)."""
+        return None
+
     def takes_packed(self, op: str, **dims) -> bool:
-        """Whether `op` (a packed-weight op such as linear_q4) runs at these dims (T included) on a route that reads
-        the packed matrix in a prefill GEMM (`wgmma_rs*`: decoded inside the GEMM), so the model need not dequantize
-        it first. The reference backend decodes every packed op the same way: no."""
-        return False
+        """Whether `op` (a packed-weight op such as linear_q4) runs at these dims on a route that reads the packed
+        matrix in a prefill GEMM (`wgmma_rs*`: decoded inside the GEMM), so the model need not dequantize it first."""
+        return (self.resolved_route(op, **dims) or "").startswith("wgmma_rs")
 
     def plan(self, op: str, *, route: str | None = None, **args) -> Callable[[], None]:
         raise NotImplementedError
@@ -198,14 +202,14 @@ class CudaBackend(Backend):
     def has_op(self, op: str, dtype: str = "bf16") -> bool:
         return dtype in self.manifest.data["tables"].get(self.device.arch, {}).get(op, {})
 
-    def takes_packed(self, op: str, **dims) -> bool:
+    def resolved_route(self, op: str, **dims) -> str | None:
         if not self.has_op(op):
-            return False
+            return None
         contract = self.contract(op)
         kernel = self.manifest.resolve(self.device.arch, op, "bf16", {d: dims[d] for d in contract["problem"]},
                                        dims["T"], self.device.name)
         env = {**dims, "SMS": self.device.sm_count}
-        return kernel.route.startswith("wgmma_rs") and all(evaluate(c, env) for c in kernel.constraints)
+        return kernel.route if all(evaluate(c, env) for c in kernel.constraints) else None
 
     def workspace(self, nbytes: int):
         """Scratch memory for routes that declare a workspace. One buffer serves every plan: launches are

@@ -284,9 +284,10 @@ class GatedDeltaNet:
 
 
 class DenseMLP:
-    """SwiGLU over a fused [gate | up] projection: for prefill one GEMM with the activation in its epilogue
-    (linear_swiglu_<fmt> over a packed weight, or linear_swiglu over the dense one, where the backend has them),
-    else the projection, then silu_and_mul."""
+    """SwiGLU over a fused [gate | up] projection: one GEMM with the activation in its epilogue where the backend
+    has it (linear_swiglu_<fmt> over a packed weight: for prefill on a route that decodes inside the GEMM, for decode
+    where its table sends T to a GEMV route; linear_swiglu over a dense or decoded one for prefill), else the
+    projection, then silu_and_mul."""
 
     def __init__(self, w: dict, prefix: str):
         self.gate_up, self.down = w[prefix + "gate_up"], w[prefix + "down"]
@@ -295,11 +296,14 @@ class DenseMLP:
         T = x.shape[0]
         fused = SWIGLU_MIN_T is not None and T >= SWIGLU_MIN_T
         gu = self.gate_up
-        if fused and isinstance(gu, PackedWeight) and takes_packed(
-                be, f"linear_swiglu_{gu.fmt}", I=gu.matrix[0] // 2, K=gu.matrix[1], T=T):
-            act = new(x, T, gu.matrix[0] // 2)        # decoded inside the GEMM, the activation in its epilogue
-            be.run(f"linear_swiglu_{gu.fmt}", x=x, w=gu.data, y=act)
-            return linear(be, act, self.down)
+        if isinstance(gu, PackedWeight):
+            op, dims = f"linear_swiglu_{gu.fmt}", dict(I=gu.matrix[0] // 2, K=gu.matrix[1], T=T)
+            # prefill: a route that decodes inside the GEMM; decode: where the table sends T to a GEMV route
+            one_op = takes_packed(be, op, **dims) if fused else (be.resolved_route(op, **dims) or "").startswith("gemv")
+            if one_op:
+                act = new(x, T, gu.matrix[0] // 2)        # decoded inside the GEMM, the activation in its epilogue
+                be.run(op, x=x, w=gu.data, y=act)
+                return linear(be, act, self.down)
         dense = dense_weight(be, x, gu) if fused and be.has_op("linear_swiglu") else None
         if dense is not None:
             act = new(x, T, dense.shape[0] // 2)

@@ -6,8 +6,8 @@ tile, K not a multiple of 128, K = 8), and is compared with the reference backen
 matmul, one bf16 rounding) on clones under the op's preset. The buffers around the arguments are poisoned
 (NaN after x's last row and in its absent token rows, 0xFF bytes after w: NaN scales / E4M3 NaN codes,
 a sentinel after y) so a read past K, past T or past the packed bytes, or a write past y, shows up.
-Plus: the route table at T = 1, 8, 9 (9 is the mma route, the boundary), two real 27B shapes, and a
-CUDA-graph capture of a gemv call. Skips cleanly without a GPU."""
+Plus: linear_swiglu_q4's GEMV routes (SwiGLU in the epilogue), the route table at T = 1, 8, 9 (9 is the mma
+route, the boundary), two real 27B shapes, and a CUDA-graph capture of a gemv call. Skips cleanly without a GPU."""
 import numpy as np
 import pytest
 import torch
@@ -122,6 +122,36 @@ def test_every_gemv_tile(be, ref, fmt, N, K):
         for T in range(1, tmax + 1):
             x = activations(T, K, tmax, seed=31 * T + K + N)
             assert run_and_check(be, ref, fmt, w, x, N, route=route) == route
+
+
+@pytest.mark.parametrize("I,K", [(8, 8), (77, 200), (128, 512), (136, 1032), (200, 5120)], ids=str)
+def test_every_swiglu_gemv_tile(be, ref, I, K):
+    """linear_swiglu_q4's GEMV routes (a gate row and its up row as mma rows g / g + 8, silu(g) * u in the epilogue)
+    at every T each admits, on the [2I, K] packed matrix, against the reference under the op's preset; element by
+    element within one bf16 ulp plus 1e-3 of the largest value (two fp32 sums multiplied, then one rounding)."""
+    op = "linear_swiglu_q4"
+    kernels = [k for k in be.manifest.kernels.values()
+               if k.arch == be.device.arch and k.op == op and is_gemv(k.route) and k.dtype == "bf16"]
+    assert kernels, f"no gemv tiles for {op} on {be.device.arch}"
+    tiles = sorted((k.instance, k.data["tile_params"]["tmax"]) for k in kernels
+                   if all(evaluate(c, {"T": 1, "I": I, "K": K}) for c in k.constraints))
+    w = packed("q4", 2 * I, K)
+    for route, tmax in tiles:
+        for T in range(1, tmax + 1):
+            x = activations(T, K, tmax, seed=17 * T + K + I)
+            ybuf, y = output(T, I)
+            plan = be.plan(op, route=route, x=x, w=w, y=y)
+            plan()
+            y_ref = torch.empty(T, I, dtype=torch.bfloat16, device="cuda")
+            ref.run(op, x=x.clone(), w=w.clone(), y=y_ref)
+            torch.cuda.synchronize()
+            where = f"{op} I={I} K={K} T={T} via {route}"
+            assert torch.all(ybuf[T * I:] == 12.5), f"{where}: wrote past y"
+            v = compare(y, y_ref, be.manifest.tolerances[be.contract(op)["tolerance"]], where)
+            assert v, v.detail
+            d, r = (y.double() - y_ref.double()).abs(), y_ref.double().abs()
+            bound = r * 2.0 ** -7 + 1e-3 * r.max() + 1e-30
+            assert torch.all(d <= bound), f"{where}: max |d| / bound = {(d / bound).max().item():.2f}"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

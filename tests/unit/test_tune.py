@@ -54,11 +54,12 @@ def test_model_problems_are_the_linear_shapes_and_the_norms():
     # two row views at prefill (split_rows): all three are problems, the views' bf16 GEMM (dequant path) too
     assert ("linear_q4", {"N": 16384, "K": 5120}) in got
     assert {("linear_q4", 10240), ("linear_q4", 6144), ("linear", 10240), ("linear", 6144)} <= \
-        {(op, p["N"]) for op, p in got if op.startswith("linear") and p["K"] == 5120}
-    assert {op for op, _ in got} == {"linear", "linear_q4", "add_rms_norm_zc", "rms_norm_zc", "gdn_conv", "gdn_delta_rule",
+        {(op, p["N"]) for op, p in got if op.startswith("linear") and "N" in p and p["K"] == 5120}
+    assert {op for op, _ in got} == {"linear", "linear_q4", "linear_swiglu_q4", "add_rms_norm_zc", "rms_norm_zc", "gdn_conv", "gdn_delta_rule",
                                      "gdn_gated_norm", "gdn_decode", "attn_qk_prep", "paged_attention",
                                      "paged_attention_split", "merge_attn_states"}
     assert ("gdn_gated_norm", {"HV": 48, "DV": 128}) in got and ("attn_qk_prep", {"NH": 24, "NKV": 4, "D": 256}) in got
+    assert ("linear_swiglu_q4", {"I": 17408, "K": 5120}) in got   # the MLP's [gate | up] with SwiGLU in the GEMM
     assert ("add_rms_norm_zc", {"H": 5120}) in got and not any(op.startswith("moe_") for op, _ in got)
     assert gpu_slug("NVIDIA H200") == "nvidia-h200"
 
@@ -92,7 +93,8 @@ def test_problems_include_the_prefill_gemm_of_each_packed_matrix():
     assert ("linear_q4", {"N": 248320, "K": 5120}) in got and ("linear", {"N": 248320, "K": 5120}) not in got
     shapes = lambda ps: {(p["N"], p["K"]) for _, p in ps}  # noqa: E731
     bf16 = [(op, p) for op, p in model_problems("qwen3.6-27b", "bf16") if op.startswith("linear")]
-    assert {op for op, _ in bf16} == {"linear"} and shapes(bf16) == shapes([(o, p) for o, p in got if o.startswith("linear")])
+    gemms = [(o, p) for o, p in got if o.startswith("linear") and "N" in p]   # not linear_swiglu_q4's {I, K}
+    assert {op for op, _ in bf16} == {"linear"} and shapes(bf16) == shapes(gemms)
 
 
 def test_artifact_problems_follow_each_tensors_stored_format(demo_artifact):
@@ -112,7 +114,8 @@ def test_artifact_problems_follow_each_tensors_stored_format(demo_artifact):
     for n, e in mats.items():
         assert (f"linear_{e.format}", {"N": e.shape[0], "K": e.shape[1]}) in got, n
     assert ("linear_q6", {"N": vocab, "K": hidden}) in got             # the tied lm_head reads the packed table
-    assert {op for op, _ in got if op.startswith("linear")} == {"linear", "linear_q4", "linear_q5", "linear_q6"}
+    assert {op for op, _ in got if op.startswith("linear")} == {"linear", "linear_q4", "linear_q5", "linear_q6",
+                                                                "linear_swiglu_q4"}
 
 
 def tuned_text(spans, op="linear"):
