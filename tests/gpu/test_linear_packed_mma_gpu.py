@@ -655,13 +655,18 @@ def table_ts(fmt: str) -> list[int]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FMTS)
 def test_route_table_around_span_boundaries(be, fmt):
-    """T = 8 goes to the gemv route, T >= 9 to mma; both must agree with the reference."""
+    """No route named: each T takes the table's route (a gemv family route up to the last gemv span's end, mma
+    past it), and every one agrees with the reference."""
     bad = []
+    op = f"linear_{fmt}"
     for N, K in [(300, 200), (130, 1024)]:
         w = packed(fmt, N, K, seed=N + K)
-        for T in table_ts(fmt):
+        spans = be.manifest.table(be.device.arch, op, "bf16", {"N": N, "K": K})
+        last = max(hi for lo, hi, use in spans if use.startswith("gemv") and hi is not None)
+        for T in sorted(set(table_ts(fmt)) | {last, last + 1}):
             inst, v = run_and_compare(be, fmt, w, T, N, K, seed=T, route=None)
-            assert inst.startswith("gemv." if T <= 8 else "mma."), (T, inst)
+            assert inst == be.manifest.resolve(be.device.arch, op, "bf16", {"N": N, "K": K}, T).instance, (T, inst)
+            assert inst.startswith("gemv" if T <= last else "mma."), (T, inst, last)
             if not v:
                 bad.append(v.detail)
     assert not bad, "\n".join(bad)
