@@ -274,18 +274,21 @@ def _graph_profile(torch, eng, live, step_secs: float, steps: int = 8) -> None:
 
 def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_prompt: int, steps: int,
                 json_out: str | None, fmt: str = "bf16", profile: int = 0, prefill_chunk: int = 4096,
-                prefill_reps: int = 3) -> None:
+                prefill_reps: int = 3, omit: tuple[str, ...] = ()) -> None:
     import time
 
     import torch
 
+    from ninfer.runtime.decode_graph import DecodeGraphs
     from ninfer.runtime.engine import Engine
     from ninfer.runtime.synthetic import SHAPES, TOKEN_DOMAIN, random_weights
 
     cfg = SHAPES[shape]
     copy_gbs, gemm_tflops = measure_ceilings(torch)
     weights = random_weights(cfg, "cuda", fmt=fmt)
-    ctx = max(max(prompts), decode_prompt + steps + 8) + 16
+    # decode tokens a sequence gets: a warm-up step and its share of the steps at each concurrency, twice with --omit-op
+    new_tokens = (steps + len(concurrency)) * (2 if omit else 1) + 8
+    ctx = max(max(prompts), decode_prompt + new_tokens) + 16
     eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
                               max_seqs=max(concurrency), prefill_chunk=prefill_chunk)
     dev = eng.be.device
@@ -335,21 +338,25 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         finally:
             eng.be.profile, eng.graphs = None, graphs
             eng.release(seq)
-    seqs = [eng.open(ids(decode_prompt), max_new=steps + 8) for _ in range(max(concurrency))]
+
+    def decode_secs(live):
+        eng.decode(live)  # warm-up step for this batch size
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n_steps = steps // len(concurrency)
+        for _ in range(n_steps):
+            eng.decode(live)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n_steps
+
+    seqs = [eng.open(ids(decode_prompt), max_new=new_tokens) for _ in range(max(concurrency))]
     try:
         for s in seqs:
             while not eng.prefill(s):
                 pass
         for c in concurrency:
             live = seqs[:c]
-            eng.decode(live)  # warm-up step for this batch size
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps // len(concurrency)):
-                eng.decode(live)
-            torch.cuda.synchronize()
-            n_steps = steps // len(concurrency)
-            secs = (time.perf_counter() - t0) / n_steps
+            secs = decode_secs(live)
             fig = model_figures(cfg, decode_prompt, fmt)
             ctx_now = len(live[0].tokens)
             nbytes = decode_step_bytes(cfg, fig, c, ctx_now)
@@ -361,6 +368,17 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
                        f"{100 * frac:5.1f} % of the bandwidth roofline ({nbytes / 1e9:.1f} GB/step)")
             if profile and c == concurrency[0]:
                 _graph_profile(torch, eng, live, secs)
+        if omit:  # the same steps with these ops' launches dropped (outputs wrong): the most fusing them away saves
+            eng.be.omit = frozenset(omit)
+            if eng.graphs is not None:
+                eng.graphs = DecodeGraphs(eng)
+            for c in concurrency:
+                secs = decode_secs(seqs[:c])
+                full = next(r["step_ms"] for r in rows if r["kind"] == "decode" and r["concurrency"] == c)
+                rows.append({"kind": "decode", "concurrency": c, "omitted": sorted(omit), "tok_s": c / secs,
+                             "step_ms": secs * 1e3})
+                click.echo(f"decode C={c} without {', '.join(sorted(omit))}: {c / secs:>8,.1f} tok/s aggregate "
+                           f"({secs * 1e3:6.2f} ms/step, {full - secs * 1e3:+.2f} ms against the full step; outputs wrong)")
     finally:
         for s in seqs:
             eng.release(s)
@@ -386,16 +404,27 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
               "ninfer-serve's default while no other request decodes)")
 @click.option("--prefill-reps", type=click.IntRange(1), default=3, show_default=True,
               help="timed prefills of each prompt length (the median is reported), after one untimed warm-up")
+@click.option("--omit-op", "omit", multiple=True, help="then time the decode steps again with this op's launches "
+              "dropped (repeatable; the outputs are wrong): the most that fusing it into its neighbours could save")
 @click.option("--json", "json_out", type=click.Path())
 def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, prefill_chunk, prefill_reps,
-              json_out) -> None:
+              omit, json_out) -> None:
     """Prefill and decode tok/s of the whole model at real shapes with synthetic weights."""
     from ninfer.runtime.cuda import gpu_available
+    from ninfer.runtime.manifest import Manifest
+    known = Manifest.load().ops
+    if unknown := [op for op in omit if op not in known]:
+        raise click.BadParameter(f"unknown op {', '.join(unknown)} (known: {', '.join(sorted(known))})",
+                                 param_hint="--omit-op")
+    # a stale integer output (token ids, expert indices, positions) would be read as an index: out of bounds
+    if indexing := [op for op in omit if any(o["dtype"] == "i32" for o in known[op]["outputs"].values())]:
+        raise click.BadParameter(f"{', '.join(indexing)}: writes integer outputs that later kernels index with; "
+                                 "only ops with floating-point outputs can be omitted", param_hint="--omit-op")
     if not gpu_available():
         click.echo("ninfer-bench model: needs a CUDA GPU (none found)", err=True)
         sys.exit(2)
     bench_model(shape, [int(x) for x in prompts.split(",")], [int(x) for x in concurrency.split(",")],
-                decode_prompt, steps, json_out, fmt, profile, prefill_chunk, prefill_reps)
+                decode_prompt, steps, json_out, fmt, profile, prefill_chunk, prefill_reps, omit)
 
 
 main.add_command(serve_cmd)   # `ninfer-bench serve` (cli/bench_serve.py)

@@ -70,6 +70,9 @@ def forced_routes(text: str) -> dict[str, str]:
 
 class Backend:
     name = "?"
+    # ops whose launches run() drops (their outputs keep whatever they held): `ninfer-bench model --omit-op` times a
+    # decode step without them, the most that fusing them into their neighbours could save. Never set when serving.
+    omit: frozenset = frozenset()
 
     def __init__(self, manifest: Manifest | None = None):
         self.manifest = manifest or Manifest.load()
@@ -102,7 +105,8 @@ class Backend:
         raise NotImplementedError
 
     def run(self, op: str, *, route: str | None = None, **args) -> None:
-        self.plan(op, route=route, **args)()
+        if op not in self.omit:
+            self.plan(op, route=route, **args)()
 
 
 class ReferenceBackend(Backend):
@@ -156,6 +160,8 @@ class CudaBackend(Backend):
     profile: list | None = None
 
     def run(self, op: str, *, route: str | None = None, **args) -> None:
+        if op in self.omit:
+            return
         launch = self.plan(op, route=route, **args)
         if self.profile is None:
             launch()

@@ -30,3 +30,16 @@ def test_bench_without_gpu_exits_nonzero():
         pytest.skip("has a GPU: the benchmark would run")
     r = subprocess.run([str(BIN / "ninfer-bench"), "ops"], capture_output=True, text=True)
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
+
+
+def test_bench_model_refuses_an_unknown_omitted_op():
+    """Checked before anything runs, with or without a GPU: the bad name and the ops that exist."""
+    r = subprocess.run([str(BIN / "ninfer-bench"), "model", "--omit-op", "add_rms_norm_zc", "--omit-op", "no_such_op"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "--omit-op" in r.stderr and "unknown op no_such_op" in r.stderr and "add_rms_norm_zc" in r.stderr
+
+
+def test_bench_model_refuses_to_omit_an_op_with_index_outputs():
+    r = subprocess.run([str(BIN / "ninfer-bench"), "model", "--omit-op", "moe_topk"], capture_output=True, text=True)
+    assert r.returncode == 2 and "moe_topk" in r.stderr and "integer outputs" in r.stderr, r.stderr
