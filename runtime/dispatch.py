@@ -70,9 +70,6 @@ def forced_routes(text: str) -> dict[str, str]:
 
 class Backend:
     name = "?"
-    # ops whose launches run() drops (their outputs keep whatever they held): `ninfer-bench model --omit-op` times a
-    # decode step without them, the most that fusing them into their neighbours could save. Never set when serving.
-    omit: frozenset = frozenset()
 
     def __init__(self, manifest: Manifest | None = None):
         self.manifest = manifest or Manifest.load()
@@ -105,8 +102,7 @@ class Backend:
         raise NotImplementedError
 
     def run(self, op: str, *, route: str | None = None, **args) -> None:
-        if op not in self.omit:
-            self.plan(op, route=route, **args)()
+        self.plan(op, route=route, **args)()
 
 
 class ReferenceBackend(Backend):
@@ -160,8 +156,6 @@ class CudaBackend(Backend):
     profile: list | None = None
 
     def run(self, op: str, *, route: str | None = None, **args) -> None:
-        if op in self.omit:
-            return
         launch = self.plan(op, route=route, **args)
         if self.profile is None:
             launch()

@@ -1,7 +1,8 @@
 """The inputs `ninfer-bench ops` and `ninfer-tune` time ops on (cli/bench_inputs.py), for the MoE expert ops and
-dequant: built on the CPU here, the GPU uses the same code."""
+dequant: built on the CPU here, the GPU uses the same code; and `ninfer-bench model --omit-op`'s dropped launches."""
 import torch
 
+from ninfer.cli.bench import omit_launches
 from ninfer.cli.bench_inputs import _make_moe, by_name, make_inputs, moe_sets, op_bytes
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.formats import nbytes
@@ -114,3 +115,17 @@ def test_gdn_prefill_inputs_are_one_sequence_and_run():
                       "gdn_delta_rule")
     be.run("gdn_delta_rule", **gdn, num_k_heads=16, scale=16 ** -0.5)
     assert torch.isfinite(gdn["o"].float()).all()
+
+
+def test_omitted_ops_are_not_launched():
+    """omit_launches (ninfer-bench model --omit-op) drops the launches of those ops only."""
+    be = ReferenceBackend()
+    omit_launches(be, frozenset({"add"}))
+    a, b = torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    y = torch.full((4, 8), 7.0).bfloat16()
+    be.run("add", a=a, b=b, y=y)
+    assert (y == 7.0).all()
+    x, y2 = torch.randn(4, 16).bfloat16(), torch.empty(4, 8).bfloat16()
+    be.run("silu_and_mul", x=x, y=y)
+    ReferenceBackend().run("silu_and_mul", x=x, y=y2)
+    assert torch.equal(y, y2) and not (y == 7.0).all()
