@@ -66,6 +66,9 @@ CASES = [
     # routing: the GEMV routes at decode, wgmma from a few tokens on
     ("moe_router", {"E": 256, "H": 2048}, [1, 2, 4, 8, 64, 1024, 2048, 4096]),
     ("moe_topk", {"E": 256, "K": 8}, [1, 8]),
+    # token selection over the Qwen vocabulary rows: argmax, and the sampler greedy / Qwen-style / every id kept
+    ("argmax", {"V": 248320}, [1, 8]),
+    *(("sample", {"V": 248320, "sampling": mode}, [1, 8]) for mode in ("greedy", "qwen", "pure")),
     # the prefill form: pairs sorted by expert, grouped GEMMs, slot sum
     *((op, MOE_35B, [64, 256, 1024, 4096]) for op in ("moe_align", "moe_gate_up_grouped_q4", "moe_down_grouped_q4",
                                                        "moe_sum")),
@@ -114,7 +117,8 @@ def _time_graph(torch, plans, reps: int, launches: int = 20) -> float:
 
 OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5},
              "paged_attention_split": {"scale": 256 ** -0.5}, "gdn_decode": {"scale": 128 ** -0.5},
-             "attn_qk_prep": {"theta": 1.0e7, "rotary_dim": 64}}
+             "attn_qk_prep": {"theta": 1.0e7, "rotary_dim": 64}, "argmax": {"domain": 248077},
+             "sample": {"domain": 248077}}
 
 
 def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None, routes: tuple[str, ...] = ()) -> None:

@@ -50,6 +50,8 @@ def op_bytes(op, tensors, dims) -> int:
     if op == "gdn_decode":  # the recurrent and conv states are read and written back
         return sum(t.numel() * t.element_size() for t in tensors.values()) + sum(
             tensors[k].numel() * tensors[k].element_size() for k in ("state", "conv_state"))
+    if op == "sample":  # without penalties the counts are not read
+        return sum(t.numel() * t.element_size() for k, t in tensors.items() if k != "counts")
     if op == "embedding":  # only the gathered rows of the table are read
         return tensors["ids"].numel() * 4 + 2 * tensors["y"].numel() * tensors["y"].element_size()
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -85,6 +87,8 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         return _make_attention(torch, dims, rng, op)
     if op == "gdn_decode":
         return _make_gdn_decode(torch, dims, rng)
+    if op == "sample":
+        return _make_sample(torch, dims, rng)
     if is_expert_op(op):
         return _make_moe(torch, contract, op, dims, rng)
     suffix = op.rsplit("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
@@ -131,6 +135,23 @@ def _make_gdn_conv(torch, dims, rng):
             "slots": torch.ones(1, dtype=torch.int32, device=dev),
             "conv_state": torch.randn(2, C, kw - 1, device=dev, generator=rng).bfloat16(),
             "y": torch.empty(T, C, device=dev, dtype=torch.bfloat16)}
+
+
+# sample settings (temperature, top_k, top_p, min_p) by the problem's "sampling" name; no penalties (counts unread)
+SAMPLING = {"greedy": (0.0, 0, 1.0, 0.0), "qwen": (0.7, 20, 0.95, 0.0), "pure": (1.0, 0, 1.0, 0.0)}
+
+
+def _make_sample(torch, dims, rng):
+    """T rows of logits at the vocabulary V, every row with the problem's sampling settings."""
+    T, V, dev = dims["T"], dims["V"], rng.device
+    temp, top_k, top_p, min_p = SAMPLING[dims["sampling"]]
+    full = lambda v, dt: torch.full((T,), v, device=dev, dtype=dt)  # noqa: E731
+    return {"logits": (torch.randn(T, V, device=dev, generator=rng) * 3).bfloat16(),
+            "counts": torch.zeros(T, V, device=dev, dtype=torch.int32),
+            "temperature": full(temp, torch.float32), "top_k": full(top_k, torch.int32), "top_p": full(top_p, torch.float32),
+            "min_p": full(min_p, torch.float32), "presence": full(0.0, torch.float32), "frequency": full(0.0, torch.float32),
+            "seed": torch.arange(T, device=dev, dtype=torch.int32), "counter": full(7, torch.int32),
+            "ids": full(0, torch.int32)}
 
 
 def _make_gdn_decode(torch, dims, rng):

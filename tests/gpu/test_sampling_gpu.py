@@ -9,7 +9,6 @@ masses that locate the window of the draw. The cases below are chosen so that th
 exercised yet far from any decision boundary. Skips cleanly without a GPU (cuInit raises there).
 """
 import math
-import warnings
 
 import pytest
 import torch
@@ -322,33 +321,3 @@ def test_sample_distribution(be, ref, V, domain, scale, setting):
     sl = slice(0, 256)
     want = run_ref(ref, "sample", {k: v[sl].contiguous() for k, v in args.items()}, domain)
     assert torch.equal(got[sl], want), f"{int((got[sl] != want).sum())} of 256 draws differ from the reference"
-
-
-# ---------------------------------------------------------------- timing (information for the route tables)
-
-def test_timing_report(be):
-    """Reports (as a warning, so that it shows in the log of a passing run) the time per call of each instance
-    at the real vocabulary, for the route tables; asserts nothing else."""
-    gen = torch.Generator().manual_seed(9)
-    lines = []
-    for T in (1, 8):
-        x = normal_logits(T, V_REAL, gen, scale=3.0).cuda()
-        ids = torch.empty(T, dtype=torch.int32, device="cuda")
-        cases = [("argmax", inst, {"logits": x}) for inst in route_instances(be, "argmax")]
-        for name, s in [("qwen", (0.7, 20, 0.95, 0.0, 0.0, 0.0)), ("pure", (1.0, 0, 1.0, 0.0, 0.0, 0.0)),
-                        ("penal", (0.7, 20, 0.95, 0.0, 0.5, 0.1))]:
-            a = {k: v.cuda() for k, v in sample_args(x.cpu(), [s] * T, list(range(T)), list(range(T)), gen).items()}
-            cases += [(f"sample/{name}", inst, a) for inst in route_instances(be, "sample")]
-        for name, inst, a in cases:
-            op = name.split("/")[0]
-            plan = be.plan(op, route=inst, **a, ids=ids, domain=D_REAL)
-            plan()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                plan()
-            end.record()
-            torch.cuda.synchronize()
-            lines.append(f"T={T} {name:14s} {inst:10s} {start.elapsed_time(end) / 20 * 1000:8.1f} us")
-    warnings.warn("sampling kernel times (mean of 20 back-to-back launches):\n" + "\n".join(lines))

@@ -3,7 +3,7 @@ dequant: built on the CPU here, the GPU uses the same code; and `ninfer-bench mo
 import torch
 
 from ninfer.cli.bench import omit_launches
-from ninfer.cli.bench_inputs import _make_moe, by_name, make_inputs, moe_sets, op_bytes
+from ninfer.cli.bench_inputs import SAMPLING, _make_moe, by_name, make_inputs, moe_sets, op_bytes
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.formats import nbytes
 
@@ -129,3 +129,20 @@ def test_omitted_ops_are_not_launched():
     be.run("silu_and_mul", x=x, y=y)
     ReferenceBackend().run("silu_and_mul", x=x, y=y2)
     assert torch.equal(y, y2) and not (y == 7.0).all()
+
+
+def test_sample_inputs_carry_the_named_settings():
+    """The sampler's bench rows: every row with the problem's settings (greedy rows give the argmax), no penalties,
+    so the counts are not among the bytes the op must move."""
+    be = ReferenceBackend()
+    for mode, (temp, top_k, top_p, _) in SAMPLING.items():
+        dims = {"T": 3, "V": 256, "sampling": mode}
+        ts = make_inputs(torch, be.contract("sample"), "bf16", dict(dims), torch.Generator().manual_seed(0), "sample")
+        assert set(ts) == set(be.contract("sample")["inputs"]) | set(be.contract("sample")["outputs"])
+        assert torch.equal(ts["temperature"], torch.full((3,), temp)) and ts["top_k"].tolist() == [top_k] * 3
+        assert torch.equal(ts["top_p"], torch.full((3,), top_p))
+        be.run("sample", **ts, domain=250)
+        if mode == "greedy":
+            assert ts["ids"].tolist() == ts["logits"][:, :250].float().argmax(1).tolist()
+        assert ((ts["ids"] >= 0) & (ts["ids"] < 250)).all()
+        assert op_bytes("sample", ts, dims) == sum(t.numel() * t.element_size() for k, t in ts.items() if k != "counts")
