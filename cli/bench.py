@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from ninfer.cli.bench_inputs import GDN_K_HEADS, by_name, make_inputs, op_bytes, op_flops, timing_sets
+from ninfer.cli.bench_inputs import GDN_K_HEADS, SAMPLING, by_name, make_inputs, op_bytes, op_flops, timing_sets
 from ninfer.cli.bench_serve import serve_cmd
 
 MOE_35B = {"H": 2048, "E": 256, "I": 512, "K": 8}
@@ -290,13 +290,13 @@ def omit_launches(be, ops) -> None:
 
 def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_prompt: int, steps: int,
                 json_out: str | None, fmt: str = "bf16", profile: int = 0, prefill_chunk: int = 4096,
-                prefill_reps: int = 3, omit: tuple[str, ...] = ()) -> None:
+                prefill_reps: int = 3, omit: tuple[str, ...] = (), sampling: str = "greedy") -> None:
     import time
 
     import torch
 
     from ninfer.runtime.decode_graph import DecodeGraphs
-    from ninfer.runtime.engine import Engine
+    from ninfer.runtime.engine import Engine, SamplingParams
     from ninfer.runtime.synthetic import SHAPES, TOKEN_DOMAIN, random_weights
 
     cfg = SHAPES[shape]
@@ -365,7 +365,10 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n_steps
 
-    seqs = [eng.open(ids(decode_prompt), max_new=new_tokens) for _ in range(max(concurrency))]
+    temp, top_k, top_p, min_p = SAMPLING[sampling]
+    seqs = [eng.open(ids(decode_prompt), max_new=new_tokens,
+                     sampling=SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=i))
+            for i in range(max(concurrency))]
     try:
         for s in seqs:
             while not eng.prefill(s):
@@ -378,9 +381,9 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             nbytes = decode_step_bytes(cfg, fig, c, ctx_now)
             tps = c / secs
             frac = (nbytes / secs) / (copy_gbs * 1e9)
-            rows.append({"kind": "decode", "concurrency": c, "context": ctx_now, "tok_s": tps,
+            rows.append({"kind": "decode", "concurrency": c, "context": ctx_now, "sampling": sampling, "tok_s": tps,
                          "step_ms": secs * 1e3, "bytes_per_step": nbytes, "bw_frac": frac})
-            click.echo(f"decode C={c}: {tps:>8,.1f} tok/s aggregate ({secs * 1e3:6.2f} ms/step, context {ctx_now}) "
+            click.echo(f"decode C={c}{'' if sampling == 'greedy' else ' (' + sampling + ' sampling)'}: {tps:>8,.1f} tok/s aggregate ({secs * 1e3:6.2f} ms/step, context {ctx_now}) "
                        f"{100 * frac:5.1f} % of the bandwidth roofline ({nbytes / 1e9:.1f} GB/step)")
             if profile and c == concurrency[0]:
                 _graph_profile(torch, eng, live, secs)
@@ -422,9 +425,12 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
               help="timed prefills of each prompt length (the median is reported), after one untimed warm-up")
 @click.option("--omit-op", "omit", multiple=True, help="then time the decode steps again with this op's launches "
               "dropped (repeatable; the outputs are wrong): the most that fusing it into its neighbours could save")
+@click.option("--sampling", type=click.Choice(list(SAMPLING)), default="greedy", show_default=True,
+              help="decode's token choice: greedy, qwen (temperature 0.7, top-k 20, top-p 0.95) or pure "
+              "(temperature 1, every id kept)")
 @click.option("--json", "json_out", type=click.Path())
 def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, prefill_chunk, prefill_reps,
-              omit, json_out) -> None:
+              omit, sampling, json_out) -> None:
     """Prefill and decode tok/s of the whole model at real shapes with synthetic weights."""
     from ninfer.runtime.cuda import gpu_available
     from ninfer.runtime.manifest import Manifest
@@ -440,7 +446,7 @@ def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, p
         click.echo("ninfer-bench model: needs a CUDA GPU (none found)", err=True)
         sys.exit(2)
     bench_model(shape, [int(x) for x in prompts.split(",")], [int(x) for x in concurrency.split(",")],
-                decode_prompt, steps, json_out, fmt, profile, prefill_chunk, prefill_reps, omit)
+                decode_prompt, steps, json_out, fmt, profile, prefill_chunk, prefill_reps, omit, sampling)
 
 
 main.add_command(serve_cmd)   # `ninfer-bench serve` (cli/bench_serve.py)
