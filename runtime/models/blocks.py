@@ -88,10 +88,12 @@ def attn_splits(T: int, kv_heads: int) -> int:
     return min(ATTN_SPLIT_MAX_KS, max(8, 1 << (ks.bit_length() - 1)))
 
 
-# The shared expert on a second CUDA stream beside the router and routed experts: a fork and a join, which a decode
-# graph captures as two parallel branches. H200, 35B-A3B q4, 8K context (PERF_NOTES.md, session 10): decode C=1
+# The shared expert on a second CUDA stream beside the routed experts: a fork and a join, which a decode graph
+# captures as two parallel branches. H200, 35B-A3B q4, 8K context (PERF_NOTES.md, session 10): decode C=1
 # 355.5 -> 359.3 tok/s, C=8 1,384.7 -> 1,425.7 (one A/B run each: gains about the size of the run-to-run spread).
-# NINFER_MOE_SHARED_STREAM=0 turns it off.
+# The fork comes after the router and top-k, which otherwise share the SMs with the shared expert on the serial
+# chain (session 18, two runs each: C=1 411.4 / 411.8 -> 421.3 / 420.1 tok/s, C=8 1,691.0 / 1,698.4 -> 1,726.3 /
+# 1,715.0). NINFER_MOE_SHARED_STREAM=0 turns it off.
 MOE_SHARED_STREAM = os.environ.get("NINFER_MOE_SHARED_STREAM", "1") == "1"
 _SIDE_STREAMS: dict = {}
 
@@ -331,16 +333,16 @@ class SparseMoE:
     def __call__(self, be, x):
         c = self.cfg
         T = x.shape[0]
-        side = side_stream(x)
-        if side is not None:   # fork: the shared expert runs beside the routed experts (joined before the sum)
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):
-                shared, g = self.shared(be, x), linear(be, x, self.shared_gate)
         logits = new(x, T, self.router.shape[0], dtype=torch.float32)  # fp32: bf16 logits flip near-tie top-k
         weights = new(x, T, c.experts_per_token, dtype=torch.float32)
         ids = new(x, T, c.experts_per_token, dtype=torch.int32)
         be.run("moe_router", x=x, w=self.router, logits=logits)
         be.run("moe_topk", logits=logits, weights=weights, ids=ids, renormalize=int(c.renormalize_topk))
+        side = side_stream(x)
+        if side is not None:   # fork: the shared expert runs beside the routed experts (joined before the sum)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                shared, g = self.shared(be, x), linear(be, x, self.shared_gate)
         y = torch.empty_like(x)
         if isinstance(self.gate_up, PackedWeight):
             self.packed_experts(be, x, weights, ids, y)
