@@ -383,7 +383,8 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             frac = (nbytes / secs) / (copy_gbs * 1e9)
             rows.append({"kind": "decode", "concurrency": c, "context": ctx_now, "sampling": sampling, "tok_s": tps,
                          "step_ms": secs * 1e3, "bytes_per_step": nbytes, "bw_frac": frac})
-            click.echo(f"decode C={c}{'' if sampling == 'greedy' else ' (' + sampling + ' sampling)'}: {tps:>8,.1f} tok/s aggregate ({secs * 1e3:6.2f} ms/step, context {ctx_now}) "
+            how = "" if sampling == "greedy" else f" ({sampling} sampling)"
+            click.echo(f"decode C={c}{how}: {tps:>8,.1f} tok/s aggregate ({secs * 1e3:6.2f} ms/step, context {ctx_now}) "
                        f"{100 * frac:5.1f} % of the bandwidth roofline ({nbytes / 1e9:.1f} GB/step)")
             if profile and c == concurrency[0]:
                 _graph_profile(torch, eng, live, secs)

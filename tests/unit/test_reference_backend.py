@@ -222,4 +222,3 @@ def test_forced_routes_parse_and_refuse_malformed_entries():
     for bad in ("gdn_delta_rule", "gdn_delta_rule=chunked", "=chunked.v32"):
         with pytest.raises(ValueError, match="is not op=route.tile"):
             forced_routes(bad)
-
