@@ -9,6 +9,8 @@ owns the span. A route whose first launch takes SKIP_FACTOR x the fastest full t
 dropped there without its full timing (a decode attention route over a 4096-token prefill chunk). Decode-only
 ops are timed on their own grid (OP_GRIDS: the decode batch sizes they serve). Nothing is written until every
 measurement is done and the new file passed validation, so an interrupted run leaves the previous table as it was.
+--keep-above re-tunes only the spans up to the grid's largest T (the decode batch sizes, say) and keeps the previous
+table's spans above it.
 """
 from __future__ import annotations
 
@@ -42,6 +44,20 @@ def build_spans(grid: list[int], winners: list[str]) -> list[dict]:
             spans[-1]["to"] = end
         else:
             spans.append({"from": t, "to": end, "use": use})
+    return spans
+
+
+def splice_spans(new: list[dict], old: list[dict], last: int) -> list[dict]:
+    """`new` up to T = last (the grid's largest T; its winner stops there), then `old` from last + 1 on; equal
+    neighbours merge. Both cover every T once, so the result does too."""
+    spans: list[dict] = []
+    clipped = [dict(s, to=min(s["to"] or last, last)) for s in new if s["from"] <= last]
+    clipped += [dict(s, **{"from": max(s["from"], last + 1)}) for s in old if s["to"] is None or s["to"] > last]
+    for s in clipped:
+        if spans and spans[-1]["use"] == s["use"]:
+            spans[-1]["to"] = s["to"]
+        else:
+            spans.append(s)
     return spans
 
 
@@ -180,9 +196,11 @@ def admits(kernel, dims: dict) -> bool:
     return all(evaluate(c, dims) for c in kernel.constraints)
 
 
-def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = False, extra=lambda t: {}) -> list[str]:
+def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = False, extra=lambda t: {},
+            bounded: bool = False) -> list[str]:
     """The fastest instance at each grid T among those admitting the whole span it would own (verbose: echo
-    every instance's time); extra(T): the dims the inputs need beyond T and the problem (step_dims)."""
+    every instance's time); extra(T): the dims the inputs need beyond T and the problem (step_dims). bounded
+    (--keep-above): the last grid T's span ends there, not at infinity."""
     import torch
 
     from ninfer.cli.bench import OP_PARAMS, _time, _time_graph
@@ -195,7 +213,7 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
     rng.manual_seed(0)
     winners = []
     for i, t in enumerate(grid):
-        last = grid[i + 1] - 1 if i + 1 < len(grid) else 1 << 30
+        last = grid[i + 1] - 1 if i + 1 < len(grid) else t if bounded else 1 << 30
         dims = {"T": t, **problem, **extra(t)}
         base = make_inputs(torch, contract, "bf16", dict(dims), rng, op)
         sets = timing_sets(torch, op, base, dims, rng, factor=2, most=4)
@@ -275,9 +293,12 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
 @click.option("--grid", default=",".join(map(str, GRID)), show_default=True, help="T values to time")
 @click.option("--reps", default=10, show_default=True)
 @click.option("-v", "--verbose", is_flag=True, help="print every route instance's time, not only the fastest")
+@click.option("--keep-above", is_flag=True,
+              help="replace only the spans up to the grid's largest T, keeping the previous table's spans above it "
+                   "(e.g. re-tune the decode spans with --grid 1,2,3,4,5,8)")
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
               help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
-def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> None:
+def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, specs_dir) -> None:
     """Time every route of every linear, expert, norm, router, GDN and attention problem of a model on this GPU;
     write specs/tuned/<gpu>.yaml."""
     from ninfer.runtime.cuda import gpu_available
@@ -306,31 +327,56 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, specs_dir) -> Non
                                  f"--problem {', '.join(only) or '(any)'}", param_hint="--op/--problem")
     gpu, arch = be.device.name, be.device.arch
     click.echo(f"# ninfer-tune on {gpu} ({arch}): {len(problems)} problems x {len(ts)} T values", err=True)
+    root = Path(specs_dir) if specs_dir else ROOT / "specs"
+    name = f"{gpu_slug(gpu)}.yaml"
+    existing = root / "tuned" / name
+    if keep_above:   # refuse a problem with no previous table before timing anything
+        for op, problem in problems:
+            _keep_above(existing, op, problem, [], 1)
     tables = []
     for op, problem in problems:
         grid_t = list(OP_GRIDS.get(op, ts))
         winners = measure(be, op, problem, grid_t, reps, lambda m: click.echo(m, err=True), verbose,
-                          extra=lambda t: step_dims(op, t, problem, everything))
-        tables.append({"op": op, "problem": problem, "spans": build_spans(grid_t, winners)})
+                          extra=lambda t: step_dims(op, t, problem, everything), bounded=keep_above)
+        spans = build_spans(grid_t, winners)
+        if keep_above:
+            spans = _keep_above(existing, op, problem, spans, grid_t[-1])
+        tables.append({"op": op, "problem": problem, "spans": spans})
     note = f"{datetime.date.today().isoformat()}, {source}, grid {grid}"
-    root = Path(specs_dir) if specs_dir else ROOT / "specs"
-    name = f"{gpu_slug(gpu)}.yaml"
-    existing = root / "tuned" / name
+    if keep_above:
+        note += " (spans up to its largest T; the previous ones above)"
     if existing.is_file():    # keep the previous tables of problems this run did not measure, and their runs' notes
         tables, note = _merge(existing, tables, note, source)
     dest = write_validated(root, ROOT / "codegen" / "templates", name, render(gpu, arch, note, tables))
     click.echo(f"wrote {dest}: {len(tables)} tables; run `make generate` to use them")
 
 
+def _key(op: str, problem: dict | None) -> tuple:
+    """A table's identity in the tuned file: its op and problem."""
+    return op, tuple(sorted((problem or {}).items()))
+
+
+def _keep_above(existing: Path, op: str, problem: dict, spans: list[dict], last: int) -> list[dict]:
+    """--keep-above: the new spans up to `last`, then the existing table's of the same problem above it. A problem
+    the existing file has no table for cannot be spliced: refused (nothing is written)."""
+    import yaml
+    old = (yaml.safe_load(existing.read_text(encoding="utf-8")) if existing.is_file() else None) or {}
+    prev = next((t for t in old.get("tables", []) if _key(t["op"], t.get("problem")) == _key(op, problem)), None)
+    if prev is None:
+        raise click.UsageError(f"--keep-above: {existing} has no table of {op} {label(problem)} to keep spans from; "
+                               f"tune it over a whole grid first (nothing was written)")
+    return splice_spans(spans, prev["spans"], last)
+
+
 def _merge(existing: Path, tables: list[dict], note: str, source: str) -> tuple[list[dict], str]:
-    """The existing file's tables of other problems, then this run's; its `measured` notes of other sources
-    (runs joined by "; "), then this run's."""
+    """The existing file's tables, each re-tuned one replaced in its place, then this run's new problems; its
+    `measured` notes of other sources (runs joined by "; "), then this run's."""
     import yaml
     old = yaml.safe_load(existing.read_text(encoding="utf-8")) or {}
-    new_keys = {(t["op"], tuple(sorted(t["problem"].items()))) for t in tables}
-    kept = [t for t in old.get("tables", []) if (t["op"], tuple(sorted(t.get("problem", {}).items()))) not in new_keys]
+    new = {_key(t["op"], t["problem"]): t for t in tables}
+    merged = [new.pop(_key(t["op"], t.get("problem")), t) for t in old.get("tables", [])]
     notes = [n for n in str(old.get("measured") or "").split("; ") if n and f", {source}, " not in n]
-    return kept + tables, "; ".join(notes + [note])
+    return merged + list(new.values()), "; ".join(notes + [note])
 
 
 if __name__ == "__main__":

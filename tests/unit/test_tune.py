@@ -3,7 +3,8 @@ valid table is picked on its GPU only, a broken one is refused by name and leave
 was. (The timing itself needs a GPU: it ran on the H200, see specs/tuned/.)"""
 import pytest
 
-from ninfer.cli.tune import _merge, artifact_problems, build_spans, gpu_slug, model_problems, render, write_validated
+from ninfer.cli.tune import (_keep_above, _merge, artifact_problems, build_spans, gpu_slug, model_problems, render,
+                             splice_spans, write_validated)
 from ninfer.codegen.render import build_manifest_and_sources
 from ninfer.codegen.specs import load_specs
 from ninfer.codegen.yamlio import SpecError
@@ -22,9 +23,29 @@ def test_spans_cover_every_t_once_and_merge_neighbours():
             build_spans(bad, ["a"] * len(bad))
 
 
+def test_keep_above_splices_the_decode_spans_onto_the_previous_table(tmp_path):
+    """--keep-above with a grid ending at 8: the new winners own T = 1..8 (the last one stops at 8), the previous
+    table owns 9..; equal neighbours merge, every T is covered once; a problem with no previous table is refused."""
+    old = [{"from": 1, "to": 4, "use": "gemv.t4"}, {"from": 5, "to": 16, "use": "gemv_batch.t16"},
+           {"from": 17, "to": None, "use": "mma.m64"}]
+    new = build_spans([1, 2, 3, 4, 5, 8], ["x1", "x1", "x4", "x4", "x8", "gemv_batch.t16"])
+    assert splice_spans(new, old, 8) == [{"from": 1, "to": 2, "use": "x1"}, {"from": 3, "to": 4, "use": "x4"},
+                                         {"from": 5, "to": 7, "use": "x8"}, {"from": 8, "to": 16, "use": "gemv_batch.t16"},
+                                         {"from": 17, "to": None, "use": "mma.m64"}]
+    assert splice_spans([{"from": 1, "to": None, "use": "a"}], old, 20) == [{"from": 1, "to": 20, "use": "a"},
+                                                                           {"from": 21, "to": None, "use": "mma.m64"}]
+    f = tmp_path / "gpu.yaml"
+    f.write_text(render(GPU, "sm_90a", "2026-11-30, qwen3.6-27b q4, grid 1,2", [{"op": "linear_q4", "problem": PROBLEM, "spans": old}]),
+                 encoding="utf-8")
+    assert _keep_above(f, "linear_q4", PROBLEM, new, 8)[-1] == {"from": 17, "to": None, "use": "mma.m64"}
+    import click
+    with pytest.raises(click.UsageError, match="no table of linear_q4 5120x5120"):
+        _keep_above(f, "linear_q4", {"N": 5120, "K": 5120}, new, 8)
+
+
 def test_a_new_run_keeps_the_other_problems_and_notes(tmp_path):
     """Tuning one model after another keeps the first model's tables and its note; re-tuning a problem
-    replaces its table, and a source's earlier note is replaced by its new one."""
+    replaces its table in place, and a source's earlier note is replaced by its new one."""
     a = {"op": "linear_q4", "problem": {"N": 5120, "K": 6144}, "spans": [{"from": 1, "to": None, "use": "gemv.t1"}]}
     b = {"op": "linear_q4", "problem": {"N": 2048, "K": 4096}, "spans": [{"from": 1, "to": None, "use": "gemv.t1"}]}
     f = tmp_path / "gpu.yaml"
@@ -37,7 +58,7 @@ def test_a_new_run_keeps_the_other_problems_and_notes(tmp_path):
     f.write_text(render(GPU, "sm_90a", note, tables), encoding="utf-8")
     a2 = {**a, "spans": [{"from": 1, "to": None, "use": "gemv.t8p"}]}
     tables, note = _merge(f, [a2], "2026-12-02, qwen3.6-27b q4, grid 1,2,3", "qwen3.6-27b q4")
-    assert shown(tables) == [b, a2]
+    assert shown(tables) == [a2, b]
     assert note == "2026-12-01, qwen3.6-35b-a3b q4, grid 1,2; 2026-12-02, qwen3.6-27b q4, grid 1,2,3"
     f.write_text(render(GPU, "sm_90a", note, tables), encoding="utf-8")
     some = "qwen3.6-35b-a3b q4 (linear_q4)"   # a run of some ops (--op) keeps the whole-model run's note
