@@ -435,7 +435,7 @@ def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, p
     """Prefill and decode tok/s of the whole model at real shapes with synthetic weights."""
     from ninfer.runtime.cuda import gpu_available
     from ninfer.runtime.manifest import Manifest
-    known = Manifest.load().ops
+    known = Manifest.load().ops if omit else {}   # the engine loads the manifest again: only when there is a name to check
     if unknown := [op for op in omit if op not in known]:
         raise click.BadParameter(f"unknown op {', '.join(unknown)} (known: {', '.join(sorted(known))})",
                                  param_hint="--omit-op")
