@@ -141,7 +141,7 @@ class CudaBackend(Backend):
         self.device = device(device_index)
         self._modules: dict[str, object] = {}
         self._plans: OrderedDict = OrderedDict()
-        self._workspace = None
+        self._workspaces: dict[int, torch.Tensor] = {}   # CUDA stream -> its workspace
         tuned = self.manifest.data.get("tuned", {})
         if tuned and not self.manifest.tuned_for(self.device.name, self.device.arch):
             import sys
@@ -170,8 +170,10 @@ class CudaBackend(Backend):
         """Plans are cached by everything that determines them (op, route, each tensor's address, shape,
         strides and dtype, each scalar): eager prefill re-plans ~800 calls per chunk and the caching allocator hands out
         the same buffers chunk after chunk, so a repeat costs a dict lookup instead of a bind + resolve."""
-        key = (op, route, *((k, v.data_ptr(), v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor)
-                            else (k, v) for k, v in args.items()))
+        # the stream too: a plan holds its stream's workspace (workspace())
+        key = (op, route, torch.cuda.current_stream(self.device.index).cuda_stream,
+               *((k, v.data_ptr(), v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor)
+                 else (k, v) for k, v in args.items()))
         hit = self._plans.get(key)
         if hit is not None:
             self._plans.move_to_end(key)
@@ -212,12 +214,16 @@ class CudaBackend(Backend):
         return kernel.route if all(evaluate(c, env) for c in kernel.constraints) else None
 
     def workspace(self, nbytes: int):
-        """Scratch memory for routes that declare a workspace. One buffer serves every plan: launches are
-        stream-ordered, so a route's pre kernel and main kernel finish with it before the next route starts.
-        Growing it leaves the old buffer to the plans that hold it."""
-        if self._workspace is None or self._workspace.numel() < nbytes:
-            self._workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=f"cuda:{self.device.index}")
-        return self._workspace
+        """Scratch memory for routes that declare a workspace: one buffer per CUDA stream serves every plan made on
+        it. Launches on a stream are ordered, so a route's pre kernel and main kernel finish with it before the next
+        route there starts; a second stream (the MoE shared expert's, runtime/models/blocks.py) runs beside the
+        first, so it gets its own. Growing one leaves the old buffer to the plans that hold it."""
+        stream = torch.cuda.current_stream(self.device.index).cuda_stream
+        buf = self._workspaces.get(stream)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._workspaces[stream] = torch.empty(max(nbytes, 1), dtype=torch.uint8,
+                                                         device=f"cuda:{self.device.index}")
+        return buf
 
     # NINFER_ROUTES="op=route.tile,..." runs those ops on one route instance at every T (whole-model A/B runs)
     forced = forced_routes(os.environ.get("NINFER_ROUTES", ""))
