@@ -240,16 +240,15 @@ def test_xs_tiles_with_outliers(be, ref, fmt):
 
 
 def test_workspace_is_per_stream(be, ref):
-    """gemv_batch_s8's pre kernel writes x into the backend's workspace, one buffer per CUDA stream: the same route
-    run on two streams at once (as the MoE shared expert's linear ops beside the main stream's) gives each its own
-    result."""
+    """gemv_batch_s8's pre kernel writes x into the backend's workspace; plans made beside() the main stream's (the
+    MoE shared expert's fork) get another one: the same route run on two streams at once gives each its own result."""
     N, K, T, route = 300, 5120, 8, "gemv_batch_s8.t8m2s4u1"
     w = packed("q4", N, K)
     side = torch.cuda.Stream()
     xs = [activations(T, K, T, seed=s) for s in (1, 2)]
     ys = [torch.empty(T, N, dtype=torch.bfloat16, device="cuda") for _ in xs]
     main_plan = be.plan("linear_q4", route=route, x=xs[0], w=w, y=ys[0])
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), be.beside():
         side_plan = be.plan("linear_q4", route=route, x=xs[1], w=w, y=ys[1])
     assert main_plan.workspace.data_ptr() != side_plan.workspace.data_ptr()
     side.wait_stream(torch.cuda.current_stream())
