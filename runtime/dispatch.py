@@ -10,6 +10,7 @@ device, CPU in CI) through the same interface.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import inspect
@@ -101,6 +102,12 @@ class Backend:
     def plan(self, op: str, *, route: str | None = None, **args) -> Callable[[], None]:
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def beside(self):
+        """Plans made inside run beside the others, on a second CUDA stream (the MoE shared expert's fork,
+        models/blocks.py): the cuda backend gives them their own workspace. Nothing to do for the reference backend."""
+        yield
+
     def run(self, op: str, *, route: str | None = None, **args) -> None:
         self.plan(op, route=route, **args)()
 
@@ -141,7 +148,8 @@ class CudaBackend(Backend):
         self.device = device(device_index)
         self._modules: dict[str, object] = {}
         self._plans: OrderedDict = OrderedDict()
-        self._workspace = None
+        self._workspaces: dict[bool, torch.Tensor] = {}   # False: the plans of the main stream, True: those beside() it
+        self._side = False
         tuned = self.manifest.data.get("tuned", {})
         if tuned and not self.manifest.tuned_for(self.device.name, self.device.arch):
             import sys
@@ -170,8 +178,8 @@ class CudaBackend(Backend):
         """Plans are cached by everything that determines them (op, route, each tensor's address, shape,
         strides and dtype, each scalar): eager prefill re-plans ~800 calls per chunk and the caching allocator hands out
         the same buffers chunk after chunk, so a repeat costs a dict lookup instead of a bind + resolve."""
-        key = (op, route, *((k, v.data_ptr(), v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor)
-                            else (k, v) for k, v in args.items()))
+        key = (op, route, self._side, *((k, v.data_ptr(), v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor)
+                                        else (k, v) for k, v in args.items()))
         hit = self._plans.get(key)
         if hit is not None:
             self._plans.move_to_end(key)
@@ -211,13 +219,24 @@ class CudaBackend(Backend):
         env = {**dims, "SMS": self.device.sm_count}
         return kernel.route if all(evaluate(c, env) for c in kernel.constraints) else None
 
+    @contextlib.contextmanager
+    def beside(self):
+        was, self._side = self._side, True
+        try:
+            yield
+        finally:
+            self._side = was
+
     def workspace(self, nbytes: int):
-        """Scratch memory for routes that declare a workspace. One buffer serves every plan: launches are
-        stream-ordered, so a route's pre kernel and main kernel finish with it before the next route starts.
-        Growing it leaves the old buffer to the plans that hold it."""
-        if self._workspace is None or self._workspace.numel() < nbytes:
-            self._workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=f"cuda:{self.device.index}")
-        return self._workspace
+        """Scratch memory for routes that declare a workspace: one buffer serves every plan of the main stream
+        (launches there are ordered, so a route's pre kernel and main kernel finish with it before the next route
+        starts), another the plans made beside() it, which run at the same time. Growing one leaves the old buffer
+        to the plans that hold it."""
+        buf = self._workspaces.get(self._side)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._workspaces[self._side] = torch.empty(max(nbytes, 1), dtype=torch.uint8,
+                                                             device=f"cuda:{self.device.index}")
+        return buf
 
     # NINFER_ROUTES="op=route.tile,..." runs those ops on one route instance at every T (whole-model A/B runs)
     forced = forced_routes(os.environ.get("NINFER_ROUTES", ""))

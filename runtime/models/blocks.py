@@ -341,7 +341,7 @@ class SparseMoE:
         side = side_stream(x)
         if side is not None:   # fork: the shared expert runs beside the routed experts (joined before the sum)
             side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), be.beside():   # beside(): its own workspace
                 shared, g = self.shared(be, x), linear(be, x, self.shared_gate)
         y = torch.empty_like(x)
         if isinstance(self.gate_up, PackedWeight):

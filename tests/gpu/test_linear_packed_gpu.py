@@ -217,12 +217,13 @@ def check_graph_capture(be, ref, fmt, route):
 
 @pytest.mark.parametrize("fmt", ["q4", "q5", "q6"])
 def test_xs_tiles_with_outliers(be, ref, fmt):
-    """The xs tiles round x to 16-bit block fixed point per 64-lane group, so one large lane coarsens its
-    group (activation outliers, as after an RMSNorm of a residual with massive activations): every group of
-    x gets one lane 300x the others, and the result must still meet the op's preset."""
+    """The xs tiles (and gemv_batch_s8) round x to 16-bit block fixed point per 64-lane group, so one large lane
+    coarsens its group (activation outliers, as after an RMSNorm of a residual with massive activations): every
+    group of x gets one lane 300x the others, and the result must still meet the op's preset."""
     N, K = 300, 5120
     w = packed(fmt, N, K)
-    xs = {k.instance for k in be.manifest.kernels.values() if k.op == f"linear_{fmt}" and k.data["tile_params"].get("xs")}
+    xs = {k.instance for k in be.manifest.kernels.values()
+          if k.op == f"linear_{fmt}" and (k.data["tile_params"].get("xs") or k.route.endswith("_s8"))}
     tiles = [(r, tmax) for r, tmax in gemv_tiles(be, fmt, N, K) if r in xs]
     assert tiles, "no xs tiles admit the shape"
     for route, tmax in tiles:
@@ -236,3 +237,29 @@ def test_xs_tiles_with_outliers(be, ref, fmt):
             torch.cuda.synchronize()
             v = compare(y, y_ref, be.manifest.tolerances["linear_tc"], f"{route} T={T} with outliers")
             assert v, v.detail
+
+
+def test_workspace_is_per_stream(be, ref):
+    """gemv_batch_s8's pre kernel writes x into the backend's workspace; plans made beside() the main stream's (the
+    MoE shared expert's fork) get another one: the same route run on two streams at once gives each its own result."""
+    N, K, T, route = 300, 5120, 8, "gemv_batch_s8.t8m2s4u1"
+    w = packed("q4", N, K)
+    side = torch.cuda.Stream()
+    xs = [activations(T, K, T, seed=s) for s in (1, 2)]
+    ys = [torch.empty(T, N, dtype=torch.bfloat16, device="cuda") for _ in xs]
+    main_plan = be.plan("linear_q4", route=route, x=xs[0], w=w, y=ys[0])
+    with torch.cuda.stream(side), be.beside():
+        side_plan = be.plan("linear_q4", route=route, x=xs[1], w=w, y=ys[1])
+    assert main_plan.workspace.data_ptr() != side_plan.workspace.data_ptr()
+    side.wait_stream(torch.cuda.current_stream())
+    for _ in range(20):   # overlapping launches: a shared workspace would mix the two x
+        main_plan()
+        with torch.cuda.stream(side):
+            side_plan()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for x, y in zip(xs, ys):
+        y_ref = torch.empty_like(y)
+        ref.run("linear_q4", x=x.clone(), w=w.clone(), y=y_ref)
+        v = compare(y, y_ref, be.manifest.tolerances["linear_tc"], f"{route} on two streams")
+        assert v, v.detail
