@@ -332,7 +332,7 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, specs
     existing = root / "tuned" / name
     if keep_above:   # refuse a problem with no previous table before timing anything
         for op, problem in problems:
-            _keep_above(existing, op, problem, [], 1)
+            _previous_spans(existing, op, problem)
     tables = []
     for op, problem in problems:
         grid_t = list(OP_GRIDS.get(op, ts))
@@ -356,16 +356,21 @@ def _key(op: str, problem: dict | None) -> tuple:
     return op, tuple(sorted((problem or {}).items()))
 
 
-def _keep_above(existing: Path, op: str, problem: dict, spans: list[dict], last: int) -> list[dict]:
-    """--keep-above: the new spans up to `last`, then the existing table's of the same problem above it. A problem
-    the existing file has no table for cannot be spliced: refused (nothing is written)."""
+def _previous_spans(existing: Path, op: str, problem: dict) -> list[dict]:
+    """The existing file's spans of this problem; a problem it has no table for cannot be spliced (--keep-above):
+    refused, nothing is written."""
     import yaml
     old = (yaml.safe_load(existing.read_text(encoding="utf-8")) if existing.is_file() else None) or {}
     prev = next((t for t in old.get("tables", []) if _key(t["op"], t.get("problem")) == _key(op, problem)), None)
     if prev is None:
         raise click.UsageError(f"--keep-above: {existing} has no table of {op} {label(problem)} to keep spans from; "
                                f"tune it over a whole grid first (nothing was written)")
-    return splice_spans(spans, prev["spans"], last)
+    return prev["spans"]
+
+
+def _keep_above(existing: Path, op: str, problem: dict, spans: list[dict], last: int) -> list[dict]:
+    """--keep-above: the new spans up to `last`, then the existing table's of the same problem above it."""
+    return splice_spans(spans, _previous_spans(existing, op, problem), last)
 
 
 def _merge(existing: Path, tables: list[dict], note: str, source: str) -> tuple[list[dict], str]:
