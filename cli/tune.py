@@ -342,13 +342,17 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, specs
         if keep_above:
             spans = _keep_above(existing, op, problem, spans, grid_t[-1])
         tables.append({"op": op, "problem": problem, "spans": spans})
-    note = f"{datetime.date.today().isoformat()}, {source}, grid {grid}"
-    if keep_above:
-        note += " (spans up to its largest T; the previous ones above)"
+    note = run_note(datetime.date.today().isoformat(), source, ts, keep_above)
     if existing.is_file():    # keep the previous tables of problems this run did not measure, and their runs' notes
-        tables, note = _merge(existing, tables, note, source)
+        tables, note = _merge(existing, tables, note, source, replaces=not keep_above)
     dest = write_validated(root, ROOT / "codegen" / "templates", name, render(gpu, arch, note, tables))
     click.echo(f"wrote {dest}: {len(tables)} tables; run `make generate` to use them")
+
+
+def run_note(day: str, source: str, ts: list[int], keep_above: bool) -> str:
+    """This run's entry in the file's `measured` notes; no "; " inside it (the separator of the runs' notes)."""
+    note = f"{day}, {source}, grid {','.join(map(str, ts))}"
+    return note + (f" (spans up to T = {ts[-1]}, the earlier runs' above)" if keep_above else "")
 
 
 def _key(op: str, problem: dict | None) -> tuple:
@@ -373,14 +377,15 @@ def _keep_above(existing: Path, op: str, problem: dict, spans: list[dict], last:
     return splice_spans(spans, _previous_spans(existing, op, problem), last)
 
 
-def _merge(existing: Path, tables: list[dict], note: str, source: str) -> tuple[list[dict], str]:
+def _merge(existing: Path, tables: list[dict], note: str, source: str, replaces: bool = True) -> tuple[list[dict], str]:
     """The existing file's tables, each re-tuned one replaced in its place, then this run's new problems; its
-    `measured` notes of other sources (runs joined by "; "), then this run's."""
+    `measured` notes (runs joined by "; ") less those of the same source when this run replaces them (a whole
+    grid; a --keep-above run keeps them: their spans above stay), then this run's."""
     import yaml
     old = yaml.safe_load(existing.read_text(encoding="utf-8")) or {}
     new = {_key(t["op"], t["problem"]): t for t in tables}
     merged = [new.pop(_key(t["op"], t.get("problem")), t) for t in old.get("tables", [])]
-    notes = [n for n in str(old.get("measured") or "").split("; ") if n and f", {source}, " not in n]
+    notes = [n for n in str(old.get("measured") or "").split("; ") if n and not (replaces and f", {source}, " in n)]
     return merged + list(new.values()), "; ".join(notes + [note])
 
 

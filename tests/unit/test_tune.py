@@ -3,7 +3,7 @@ valid table is picked on its GPU only, a broken one is refused by name and leave
 was. (The timing itself needs a GPU: it ran on the H200, see specs/tuned/.)"""
 import pytest
 
-from ninfer.cli.tune import (_keep_above, _merge, artifact_problems, build_spans, gpu_slug, model_problems, render,
+from ninfer.cli.tune import (_keep_above, _merge, artifact_problems, build_spans, gpu_slug, model_problems, render, run_note,
                              splice_spans, write_validated)
 from ninfer.codegen.render import build_manifest_and_sources
 from ninfer.codegen.specs import load_specs
@@ -65,6 +65,19 @@ def test_a_new_run_keeps_the_other_problems_and_notes(tmp_path):
     tables, note = _merge(f, [b], f"2026-12-03, {some}, grid 1", some)
     assert note == ("2026-12-01, qwen3.6-35b-a3b q4, grid 1,2; 2026-12-02, qwen3.6-27b q4, grid 1,2,3; "
                     "2026-12-03, qwen3.6-35b-a3b q4 (linear_q4), grid 1")
+
+
+def test_a_keep_above_run_keeps_the_notes_of_the_spans_it_kept(tmp_path):
+    """A --keep-above run replaces the decode spans only: the earlier note of the same source still describes the
+    spans above, so it stays, and the new note holds no "; " (the separator of the runs' notes)."""
+    a = {"op": "linear_q4", "problem": {"N": 5120, "K": 6144}, "spans": [{"from": 1, "to": None, "use": "gemv.t1"}]}
+    f = tmp_path / "gpu.yaml"
+    f.write_text(render(GPU, "sm_90a", "2026-11-30, qwen3.6-27b q4 (linear_q4), grid 1,2,64", [a]), encoding="utf-8")
+    source = "qwen3.6-27b q4 (linear_q4)"
+    _, note = _merge(f, [a], run_note("2026-12-01", source, [1, 2], True), source, replaces=False)
+    assert note.split("; ") == ["2026-11-30, qwen3.6-27b q4 (linear_q4), grid 1,2,64",
+                                "2026-12-01, qwen3.6-27b q4 (linear_q4), grid 1,2 (spans up to T = 2, the earlier "
+                                "runs' above)"]
 
 
 def test_model_problems_are_the_linear_shapes_and_the_norms():
