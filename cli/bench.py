@@ -428,7 +428,8 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
 @click.option("--prompts", default="1024,8192,32768", show_default=True, help="prefill lengths")
 @click.option("--concurrency", default="1,2,4,8", show_default=True)
 @click.option("--decode-prompt", default=8192, show_default=True, help="context before the decode measurement")
-@click.option("--steps", default=64, show_default=True, help="decode steps, split over the concurrency levels; each level reports its median step")
+@click.option("--steps", default=64, show_default=True,
+              help="decode steps, split over the concurrency levels; each level reports its median step")
 @click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8", "recipe"]), default="bf16",
               show_default=True, help="format of the quantizable matrices (random packed bytes; recipe: each role's "
               "default format, the mix a converted checkpoint gets)")
