@@ -276,6 +276,9 @@ def _graph_profile(torch, eng, live, step_secs: float, steps: int = 8) -> None:
         click.echo(f"  {op:<22} {inst:<26} {n:6.0f} / step {us:9.1f} us {100 * us / kernels:5.1f} %  {us / max(n, 1):7.2f} us each")
 
 
+GAP_STEPS = 9   # decode steps (8 gaps) after each level's timed ones, with events around every graph replay
+
+
 def step_stats(secs: list[float]) -> dict:
     """The median and the 10th / 90th percentiles (nearest rank) of per-step seconds: a decode figure is the median
     step, and the spread shows whether a slow run is a few stalled steps or every step slower."""
@@ -313,7 +316,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
     copy_gbs, gemm_tflops = measure_ceilings(torch)
     weights = random_weights(cfg, "cuda", fmt=fmt)
     # decode tokens a sequence gets: a warm-up step and its share of the steps at each concurrency, twice with --omit-op
-    new_tokens = (steps + len(concurrency)) * (2 if omit else 1) + 8
+    new_tokens = (steps + len(concurrency)) * (2 if omit else 1) + GAP_STEPS * len(concurrency) + 8
     ctx = max(max(prompts), decode_prompt + new_tokens) + 16
     eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
                               max_seqs=max(concurrency), prefill_chunk=prefill_chunk)
@@ -377,6 +380,33 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             times.append(time.perf_counter() - t0)
         return step_stats(times)
 
+    def host_gap_us(live) -> float | None:
+        """Median time (µs, GPU clock) from one decode-graph replay's end to the next one's start, over GAP_STEPS
+        more steps: the host's share of a step, while the GPU has nothing to run (None without decode graphs)."""
+        if eng.graphs is None:
+            return None
+        marks = []
+
+        class Timed:   # stands in for the batch size's captured graph: events just before and after each replay
+            def __init__(self, graph):
+                self.graph = graph
+
+            def replay(self):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.graph.replay()
+                end.record()
+                marks.append((start, end))
+        g = eng.graphs.graphs[len(live)]
+        g.graph = Timed(g.graph)
+        try:
+            for _ in range(GAP_STEPS):
+                eng.decode(live)
+        finally:
+            g.graph = g.graph.graph
+        torch.cuda.synchronize()
+        return statistics.median(1e3 * a[1].elapsed_time(b[0]) for a, b in zip(marks, marks[1:]))
+
     temp, top_k, top_p, min_p = SAMPLING[sampling]
     seqs = [eng.open(ids(decode_prompt), max_new=new_tokens,
                      sampling=SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=i))
@@ -388,7 +418,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         for c in concurrency:
             live = seqs[:c]
             st = decode_secs(live)
-            secs = st["median"]
+            secs, gap = st["median"], host_gap_us(live)
             fig = model_figures(cfg, decode_prompt, fmt)
             ctx_now = len(live[0].tokens)
             nbytes = decode_step_bytes(cfg, fig, c, ctx_now)
@@ -396,10 +426,11 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             frac = (nbytes / secs) / (copy_gbs * 1e9)
             rows.append({"kind": "decode", "concurrency": c, "context": ctx_now, "sampling": sampling, "tok_s": tps,
                          "step_ms": secs * 1e3, "step_ms_p10": st["p10"] * 1e3, "step_ms_p90": st["p90"] * 1e3,
-                         "bytes_per_step": nbytes, "bw_frac": frac})
+                         "host_gap_us": gap, "bytes_per_step": nbytes, "bw_frac": frac})
             how = "" if sampling == "greedy" else f" ({sampling} sampling)"
             click.echo(f"decode C={c}{how}: {tps:>8,.1f} tok/s aggregate ({secs * 1e3:6.2f} ms/step median, p10-p90 "
-                       f"{st['p10'] * 1e3:.2f}-{st['p90'] * 1e3:.2f}, context {ctx_now}) "
+                       f"{st['p10'] * 1e3:.2f}-{st['p90'] * 1e3:.2f}, "
+                       f"{'' if gap is None else f'host gap {gap:.0f} us, '}context {ctx_now}) "
                        f"{100 * frac:5.1f} % of the bandwidth roofline ({nbytes / 1e9:.1f} GB/step)")
             if profile and c == concurrency[0]:
                 _graph_profile(torch, eng, live, secs)
