@@ -40,6 +40,13 @@ def capture(fn, warmup=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def count_tokens(counts: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> None:
+    """counts[slots[i], ids[i]] += 1 on the counts' device, in one launch and without a host sync (so a decode graph
+    captures it): the generated-token counts the sample op's presence / frequency penalties read. A step's lanes
+    are distinct, so no two rows add to one count."""
+    counts.view(-1).scatter_add_(0, slots.long() * counts.shape[1] + ids.long(), torch.ones_like(ids))
+
+
 class HostStep:
     """The host side of a decode step: the pinned int32 / float32 buffers a step copies to the device, written
     in place through numpy views (no tensor per field). Layout: each field a `stride`-long slot (first b used),
@@ -114,6 +121,7 @@ class _Graph:
                  temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],
                  presence=f["presence"], frequency=f["frequency"], seed=f["seed"], counter=f["counter"],
                  ids=self.out, domain=e.domain)
+        count_tokens(e._counts, f["state_slots"], self.out)   # on the device: no host-launched add per lane a step
 
     def run(self, seqs) -> list[int]:
         self.host.fill(seqs)

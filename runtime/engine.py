@@ -14,7 +14,7 @@ import torch
 
 from .artifact import open_artifact
 from .cache import CapacityError, SequenceCache, plan_kv_pages
-from .decode_graph import DecodeGraphs
+from .decode_graph import DecodeGraphs, count_tokens
 from .dispatch import backend as make_backend
 from .models import MODELS
 from .models.blocks import Step, dequant_scratch_bytes, prefill_workspace_bytes
@@ -164,24 +164,24 @@ class Engine:
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         ids = torch.empty(logits.shape[0], dtype=torch.int32, device=self.device)
+        f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=self.device)  # noqa: E731
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)  # noqa: E731
         if all(s.sampling.temperature <= 0 and not s.sampling.presence_penalty and not s.sampling.frequency_penalty
                for s in seqs):
             self.be.run("argmax", logits=logits, ids=ids, domain=self.domain)
-            return ids.tolist()
-        f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=self.device)  # noqa: E731
-        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)  # noqa: E731
-        sp = [s.sampling for s in seqs]
-        self.be.run("sample", logits=logits, counts=self._counts[[s.slot for s in seqs]],
-                    temperature=f32([p.temperature for p in sp]), top_k=i32([p.top_k for p in sp]),
-                    top_p=f32([p.top_p for p in sp]), min_p=f32([p.min_p for p in sp]),
-                    presence=f32([p.presence_penalty for p in sp]), frequency=f32([p.frequency_penalty for p in sp]),
-                    seed=i32([((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for s in seqs]),  # 32-bit
-                    counter=i32([len(s.generated) for s in seqs]), ids=ids, domain=self.domain)
+        else:
+            sp = [s.sampling for s in seqs]
+            self.be.run("sample", logits=logits, counts=self._counts[[s.slot for s in seqs]],
+                        temperature=f32([p.temperature for p in sp]), top_k=i32([p.top_k for p in sp]),
+                        top_p=f32([p.top_p for p in sp]), min_p=f32([p.min_p for p in sp]),
+                        presence=f32([p.presence_penalty for p in sp]), frequency=f32([p.frequency_penalty for p in sp]),
+                        seed=i32([((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for s in seqs]),  # 32-bit
+                        counter=i32([len(s.generated) for s in seqs]), ids=ids, domain=self.domain)
+        count_tokens(self._counts, i32([s.slot for s in seqs]), ids)   # as the decode graph does
         return ids.tolist()
 
     def _accept(self, seq: Sequence, token: int) -> None:
-        seq.tokens.append(token)
-        self._counts[seq.slot, token] += 1
+        seq.tokens.append(token)   # (its count for the penalties was added on the device when it was picked)
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
         elif len(seq.generated) >= seq.max_new or len(seq.tokens) >= self.cache.max_context:

@@ -200,9 +200,10 @@ def test_packed_weights_match_the_reference_backend(kind, fmt):
 
 
 def test_penalties_see_the_same_counts_with_and_without_graphs():
-    """The decode graph adds each sampled token to its sequence's counts on the device (the next step's
-    presence / frequency penalties read them); the eager path adds them from the host. Seeded sampling with
-    penalties must give the same tokens both ways, in a batch with differently penalised sequences."""
+    """The decode graph adds each sampled token to its sequence's counts inside the graph (count_tokens, captured:
+    the next step's presence / frequency penalties read them); the eager path adds them with the same call outside
+    any graph. Seeded sampling with penalties must give the same tokens both ways, in a batch with differently
+    penalised sequences."""
     from ninfer.runtime.engine import Engine, SamplingParams
     path = ORACLE / "dense.ninfer"
     if not path.is_file():
