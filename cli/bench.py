@@ -276,6 +276,19 @@ def _graph_profile(torch, eng, live, step_secs: float, steps: int = 8) -> None:
         click.echo(f"  {op:<22} {inst:<26} {n:6.0f} / step {us:9.1f} us {100 * us / kernels:5.1f} %  {us / max(n, 1):7.2f} us each")
 
 
+GAP_STEPS = 9   # decode steps (8 gaps) after each level's timed ones, with events around every graph replay
+
+
+def step_stats(secs: list[float]) -> dict:
+    """The median and the 10th / 90th percentiles (nearest rank) of per-step seconds: a decode figure is the median
+    step, and the spread shows whether a slow run is a few stalled steps or every step slower."""
+    if not secs:
+        raise ValueError("no decode steps were timed")
+    s = sorted(secs)
+    rank = lambda f: s[round(f * (len(s) - 1))]  # noqa: E731
+    return {"median": statistics.median(s), "p10": rank(0.1), "p90": rank(0.9)}
+
+
 def omit_launches(be, ops) -> None:
     """Make `be.run` drop the launches of these ops (their outputs keep whatever they held): `--omit-op` times a
     decode step without them, the most that fusing them into their neighbours could save."""
@@ -303,7 +316,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
     copy_gbs, gemm_tflops = measure_ceilings(torch)
     weights = random_weights(cfg, "cuda", fmt=fmt)
     # decode tokens a sequence gets: a warm-up step and its share of the steps at each concurrency, twice with --omit-op
-    new_tokens = (steps + len(concurrency)) * (2 if omit else 1) + 8
+    new_tokens = (steps + len(concurrency)) * (2 if omit else 1) + GAP_STEPS * len(concurrency) + 8
     ctx = max(max(prompts), decode_prompt + new_tokens) + 16
     eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
                               max_seqs=max(concurrency), prefill_chunk=prefill_chunk)
@@ -355,15 +368,44 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             eng.be.profile, eng.graphs = None, graphs
             eng.release(seq)
 
-    def decode_secs(live):
+    def decode_secs(live) -> dict:
+        """step_stats of the timed steps; each step ends on its sampled ids' copy to the host (the step's one
+        sync), so its wall time is its own."""
         eng.decode(live)  # warm-up step for this batch size
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        n_steps = steps // len(concurrency)
-        for _ in range(n_steps):
+        times = []
+        for _ in range(steps // len(concurrency)):
+            t0 = time.perf_counter()
             eng.decode(live)
+            times.append(time.perf_counter() - t0)
+        return step_stats(times)
+
+    def host_gap_us(live) -> float | None:
+        """Median time (µs, GPU clock) from one decode-graph replay's end to the next one's start, over GAP_STEPS
+        more steps: the host's share of a step, while the GPU has nothing to run (None without decode graphs)."""
+        if eng.graphs is None:
+            return None
+        marks = []
+
+        class Timed:   # stands in for the batch size's captured graph: events just before and after each replay
+            def __init__(self, graph):
+                self.graph = graph
+
+            def replay(self):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.graph.replay()
+                end.record()
+                marks.append((start, end))
+        g = eng.graphs.graphs[len(live)]
+        g.graph = Timed(g.graph)
+        try:
+            for _ in range(GAP_STEPS):
+                eng.decode(live)
+        finally:
+            g.graph = g.graph.graph
         torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n_steps
+        return statistics.median(1e3 * a[1].elapsed_time(b[0]) for a, b in zip(marks, marks[1:]))
 
     temp, top_k, top_p, min_p = SAMPLING[sampling]
     seqs = [eng.open(ids(decode_prompt), max_new=new_tokens,
@@ -375,16 +417,20 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
                 pass
         for c in concurrency:
             live = seqs[:c]
-            secs = decode_secs(live)
+            st = decode_secs(live)
+            secs, gap = st["median"], host_gap_us(live)
             fig = model_figures(cfg, decode_prompt, fmt)
             ctx_now = len(live[0].tokens)
             nbytes = decode_step_bytes(cfg, fig, c, ctx_now)
             tps = c / secs
             frac = (nbytes / secs) / (copy_gbs * 1e9)
             rows.append({"kind": "decode", "concurrency": c, "context": ctx_now, "sampling": sampling, "tok_s": tps,
-                         "step_ms": secs * 1e3, "bytes_per_step": nbytes, "bw_frac": frac})
+                         "step_ms": secs * 1e3, "step_ms_p10": st["p10"] * 1e3, "step_ms_p90": st["p90"] * 1e3,
+                         "host_gap_us": gap, "bytes_per_step": nbytes, "bw_frac": frac})
             how = "" if sampling == "greedy" else f" ({sampling} sampling)"
-            click.echo(f"decode C={c}{how}: {tps:>8,.1f} tok/s aggregate ({secs * 1e3:6.2f} ms/step, context {ctx_now}) "
+            click.echo(f"decode C={c}{how}: {tps:>8,.1f} tok/s aggregate ({secs * 1e3:6.2f} ms/step median, p10-p90 "
+                       f"{st['p10'] * 1e3:.2f}-{st['p90'] * 1e3:.2f}, "
+                       f"{'' if gap is None else f'host gap {gap:.0f} us, '}context {ctx_now}) "
                        f"{100 * frac:5.1f} % of the bandwidth roofline ({nbytes / 1e9:.1f} GB/step)")
             if profile and c == concurrency[0]:
                 _graph_profile(torch, eng, live, secs)
@@ -393,7 +439,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             if eng.graphs is not None:
                 eng.graphs = DecodeGraphs(eng)
             for c in concurrency:
-                secs = decode_secs(seqs[:c])
+                secs = decode_secs(seqs[:c])["median"]
                 full = next(r["step_ms"] for r in rows if r["kind"] == "decode" and r["concurrency"] == c)
                 rows.append({"kind": "decode", "concurrency": c, "omitted": sorted(omit), "tok_s": c / secs,
                              "step_ms": secs * 1e3})
@@ -413,7 +459,8 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
 @click.option("--prompts", default="1024,8192,32768", show_default=True, help="prefill lengths")
 @click.option("--concurrency", default="1,2,4,8", show_default=True)
 @click.option("--decode-prompt", default=8192, show_default=True, help="context before the decode measurement")
-@click.option("--steps", default=64, show_default=True, help="decode steps, split over the concurrency levels")
+@click.option("--steps", default=64, show_default=True,
+              help="decode steps, split over the concurrency levels; each level reports its median step")
 @click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8", "recipe"]), default="bf16",
               show_default=True, help="format of the quantizable matrices (random packed bytes; recipe: each role's "
               "default format, the mix a converted checkpoint gets)")
@@ -443,11 +490,15 @@ def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, p
     if indexing := [op for op in omit if any(o["dtype"] == "i32" for o in known[op]["outputs"].values())]:
         raise click.BadParameter(f"{', '.join(indexing)}: writes integer outputs that later kernels index with; "
                                  "only ops with floating-point outputs can be omitted", param_hint="--omit-op")
+    levels = [int(x) for x in concurrency.split(",")]
+    if steps < len(levels):   # each level's figure is the median of its share of the steps
+        raise click.BadParameter(f"{steps} steps for {len(levels)} concurrency levels: each level needs at least one "
+                                 "timed step", param_hint="--steps")
     if not gpu_available():
         click.echo("ninfer-bench model: needs a CUDA GPU (none found)", err=True)
         sys.exit(2)
-    bench_model(shape, [int(x) for x in prompts.split(",")], [int(x) for x in concurrency.split(",")],
-                decode_prompt, steps, json_out, fmt, profile, prefill_chunk, prefill_reps, omit, sampling)
+    bench_model(shape, [int(x) for x in prompts.split(",")], levels, decode_prompt, steps, json_out, fmt, profile,
+                prefill_chunk, prefill_reps, omit, sampling)
 
 
 main.add_command(serve_cmd)   # `ninfer-bench serve` (cli/bench_serve.py)

@@ -146,3 +146,19 @@ def test_sample_inputs_carry_the_named_settings():
             assert ts["ids"].tolist() == ts["logits"][:, :250].float().argmax(1).tolist()
         assert ((ts["ids"] >= 0) & (ts["ids"] < 250)).all()
         assert op_bytes("sample", ts, dims) == sum(t.numel() * t.element_size() for k, t in ts.items() if k != "counts")
+
+
+def test_decode_figures_are_the_median_step_with_its_spread():
+    """`ninfer-bench model` reports each concurrency's median decode step (one stalled step does not move it) and
+    the 10th / 90th percentile steps, so a slow run shows whether a few steps or all of them were slower."""
+    import pytest
+
+    from ninfer.cli.bench import step_stats
+    steps = [0.010] * 9 + [0.050]                      # one stalled step of ten
+    got = step_stats(steps)
+    assert got["median"] == 0.010 and got["p10"] == 0.010 and got["p90"] == 0.010
+    assert step_stats([4.0, 1.0, 3.0, 2.0]) == {"median": 2.5, "p10": 1.0, "p90": 4.0}
+    got = step_stats([i / 1000 for i in range(101)])  # 0..100 ms
+    assert (got["median"], got["p10"], got["p90"]) == (0.050, 0.010, 0.090)
+    with pytest.raises(ValueError, match="no decode steps"):
+        step_stats([])

@@ -40,6 +40,13 @@ def test_bench_model_refuses_an_unknown_omitted_op():
     assert "--omit-op" in r.stderr and "unknown op no_such_op" in r.stderr and "add_rms_norm_zc" in r.stderr
 
 
+def test_bench_model_refuses_fewer_steps_than_concurrency_levels():
+    """Each level's decode figure is the median of its share of --steps: a level with none is refused up front."""
+    r = subprocess.run([str(BIN / "ninfer-bench"), "model", "--concurrency", "1,2,4,8", "--steps", "3"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--steps" in r.stderr and "3 steps for 4 concurrency levels" in r.stderr, r.stderr
+
+
 def test_bench_model_refuses_to_omit_an_op_with_index_outputs():
     r = subprocess.run([str(BIN / "ninfer-bench"), "model", "--omit-op", "moe_topk"], capture_output=True, text=True)
     assert r.returncode == 2 and "moe_topk" in r.stderr and "integer outputs" in r.stderr, r.stderr
