@@ -75,7 +75,7 @@ class HostStep:
             iv[io["state_slots"] + r] = s.slot
             iv[io["top_k"] + r] = sp.top_k
             iv[io["seed"] + r] = ((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000   # as a 32-bit int
-            iv[io["counter"] + r] = len(s.generated) + ahead
+            iv[io["counter"] + r] = s.n_generated + ahead
             iv[io["from_device"] + r] = ahead
             fv[fo["temperature"] + r], fv[fo["top_p"] + r], fv[fo["min_p"] + r] = sp.temperature, sp.top_p, sp.min_p
             fv[fo["presence"] + r], fv[fo["frequency"] + r] = sp.presence_penalty, sp.frequency_penalty

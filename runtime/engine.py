@@ -81,6 +81,11 @@ class Sequence:
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
 
+    @property
+    def n_generated(self) -> int:
+        """len(generated) without the copy: the per-step paths use it (a slice copies every token so far)."""
+        return len(self.tokens) - len(self.prompt)
+
 
 class Engine:
     def __init__(self, artifact_path, *, backend: str = "auto", max_context: int = 4096, max_seqs: int = 8,
@@ -176,7 +181,7 @@ class Engine:
                         top_p=f32([p.top_p for p in sp]), min_p=f32([p.min_p for p in sp]),
                         presence=f32([p.presence_penalty for p in sp]), frequency=f32([p.frequency_penalty for p in sp]),
                         seed=i32([((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for s in seqs]),  # 32-bit
-                        counter=i32([len(s.generated) for s in seqs]), ids=ids, domain=self.domain)
+                        counter=i32([s.n_generated for s in seqs]), ids=ids, domain=self.domain)
         count_tokens(self._counts, i32([s.slot for s in seqs]), ids)   # as the decode graph does
         return ids.tolist()
 
@@ -184,7 +189,7 @@ class Engine:
         seq.tokens.append(token)   # (its count for the penalties was added on the device when it was picked)
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
-        elif len(seq.generated) >= seq.max_new or len(seq.tokens) >= self.cache.max_context:
+        elif seq.n_generated >= seq.max_new or len(seq.tokens) >= self.cache.max_context:
             seq.finish_reason = "length"
 
     # -- generation ------------------------------------------------------------------------------

@@ -357,8 +357,8 @@ class Scheduler:
             self.stats["prompt_seconds"] += time.perf_counter() - t0
             if done:
                 self._prefilling.remove(h)
-                self.stats["predicted_tokens"] += len(seq.generated)
-                if seq.generated:
+                self.stats["predicted_tokens"] += seq.n_generated
+                if seq.n_generated:
                     self._decoding.append(h)
                     self._after_token(h, out)
                 else:
@@ -368,7 +368,7 @@ class Scheduler:
         seq = h.seq
         if not h.first_token_at:
             h.first_token_at = time.monotonic()
-        tok = seq.generated[-1]
+        tok = seq.tokens[-1]   # the newest generated token (no copy of them all)
         text = ""
         if h.req.detokenizer is not None and not (seq.finish_reason == "stop" and tok in seq.stop_ids):
             text = h.req.detokenizer.push(tok)
@@ -388,7 +388,7 @@ class Scheduler:
         seq = h.seq
         now = time.monotonic()
         done = Done(finish_reason=seq.finish_reason or "stop", stop_string=h.stop_hit,
-                    prompt_tokens=len(seq.prompt), completion_tokens=len(seq.generated), cached_tokens=0,
+                    prompt_tokens=len(seq.prompt), completion_tokens=seq.n_generated, cached_tokens=0,
                     queue_s=h.admitted_at - h.submitted, prefill_s=seq.prefill_s, decode_s=seq.decode_s,
                     ttft_s=(h.first_token_at - h.submitted) if h.first_token_at else 0.0,
                     total_s=now - h.submitted)
@@ -430,7 +430,7 @@ class Scheduler:
                 continue
             lanes.append(dict(slot=seq.slot, state="prefill" if h in self._prefilling else "decode",
                               n_prompt_tokens=len(seq.prompt), n_prefilled=seq.prefilled,
-                              n_decoded=len(seq.generated), max_new=seq.max_new, kv_pages=len(seq.pages),
+                              n_decoded=seq.n_generated, max_new=seq.max_new, kv_pages=len(seq.pages),
                               **h.req.info))
         return dict(lanes_busy=busy, kv_pages_used=pages, kv_pages_total=self.num_pages, max_seqs=self.max_seqs,
                     pending=len(self._pending), lanes=lanes)

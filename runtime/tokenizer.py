@@ -168,18 +168,14 @@ class StreamDecoder:
         self.ids: list[int] = []
         self.prefix = 0     # fallback: ids[prefix:read] already produced text
         self.read = 0
-        self.text = ""      # everything released so far
 
     def push(self, token: int) -> str:
         if token in self.skip:
             return ""
         if self.table is not None:
             piece = self.table[token] if 0 <= token < len(self.table) else None
-            out = self.utf8.decode(piece if piece is not None else b"")
-        else:
-            out = self._push_fallback(token)
-        self.text += out
-        return out
+            return self.utf8.decode(piece if piece is not None else b"")
+        return self._push_fallback(token)
 
     def _push_fallback(self, token: int) -> str:
         # Re-decode from the previous release point: decoders that join pieces (spaces between words,
@@ -195,14 +191,12 @@ class StreamDecoder:
 
     def finish(self) -> str:
         if self.table is not None:
-            out = self.utf8.decode(b"", final=True)
-        else:
-            out = ""
-            if self.read < len(self.ids):
-                before = self.tok.decode(self.ids[self.prefix:self.read])
-                out = self.tok.decode(self.ids[self.prefix:])[len(before):]
-                self.read = len(self.ids)
-        self.text += out
+            return self.utf8.decode(b"", final=True)
+        out = ""
+        if self.read < len(self.ids):
+            before = self.tok.decode(self.ids[self.prefix:self.read])
+            out = self.tok.decode(self.ids[self.prefix:])[len(before):]
+            self.read = len(self.ids)
         return out
 
 

@@ -74,7 +74,7 @@ def test_greedy_64_tokens_identical(models, kind, n):
     eng = Engine(art, backend="reference", max_context=256, prefill_chunk=5)
     seq = eng.generate([ids], max_new=64)[0]
     assert seq.generated == ref
-    assert seq.finish_reason == "length"
+    assert seq.finish_reason == "length" and seq.n_generated == 64   # max_new, counted without a copy
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

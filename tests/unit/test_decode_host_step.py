@@ -31,9 +31,15 @@ def rebuilt(seqs, b, stride):
     return ints, floats
 
 
+class Seq(SimpleNamespace):
+    @property
+    def n_generated(self):   # as engine.Sequence's, without its prompt: every token counted here is generated
+        return len(self.generated)
+
+
 def new_seq(rng, slot):
     n = rng.randrange(1, 9)
-    return SimpleNamespace(tokens=[rng.randrange(1000) for _ in range(n)], pages=[rng.randrange(100) for _ in range(-(-n // PS))],
+    return Seq(tokens=[rng.randrange(1000) for _ in range(n)], pages=[rng.randrange(100) for _ in range(-(-n // PS))],
                            slot=slot, seed=rng.randrange(1 << 40), generated=[],
                            sampling=SimpleNamespace(top_k=rng.randrange(50), temperature=rng.random(), top_p=rng.random(),
                                                     min_p=rng.random(), presence_penalty=rng.random(),
