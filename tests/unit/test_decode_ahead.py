@@ -100,3 +100,53 @@ def test_without_steps_ahead_every_call_is_one_plain_step(eng, monkeypatch):
     assert run(eng, graphs) == want
     eng.graphs = None
     assert {k for k, _ in graphs.log} == {"launch"}
+
+
+def test_the_scheduler_streams_the_same_text_with_steps_ahead(eng, monkeypatch):
+    """Through the scheduler: requests joining while others decode (their prefill chunks between decode steps),
+    one cancelled by its client mid-stream, penalised sampling: the same text as without steps ahead, and every
+    lane and page back in the pool."""
+    import asyncio
+
+    from ninfer.runtime import scheduler as S
+    from ninfer.runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_artifact(eng.art)
+    reqs = [("Once upon a time", 14, SamplingParams(temperature=0.9, seed=4, presence_penalty=0.5), None),
+            ("The ship sailed", 22, SamplingParams(), None),
+            ("A long prompt " * 6, 9, SamplingParams(temperature=0.7, seed=9, frequency_penalty=0.3), None),
+            ("Cancel me soon", 30, SamplingParams(temperature=1.0, seed=2), 5)]
+
+    async def drain(h, cancel_after):
+        out = []
+        async for ev in h:
+            if isinstance(ev, S.Text):
+                out.append(ev.text)
+                if len(out) == cancel_after:
+                    h.cancel()
+                    break
+        return "".join(out)
+
+    async def scenario():
+        s = S.Scheduler(eng, prefill_chunk_decoding=4)
+        try:
+            def go(r):
+                h = s.submit(S.Request(prompt=tok.encode(r[0]), max_new=r[1], sampling=r[2], detokenizer=tok.stream()))
+                return asyncio.create_task(drain(h, r[3]))
+            tasks = [go(r) for r in reqs[:2]]
+            await asyncio.sleep(0.3)   # the others join while these decode
+            tasks += [go(r) for r in reqs[2:]]
+            return await asyncio.gather(*tasks)
+        finally:
+            s.close()
+
+    texts, logs = [], []
+    for on in (False, True):
+        monkeypatch.setattr(engine_mod, "DECODE_AHEAD", on)
+        graphs = EagerGraphs(eng)
+        eng.graphs, eng._ahead = graphs, None
+        texts.append(asyncio.run(scenario()))
+        logs.append([k for k, _ in graphs.log])
+        eng.graphs = None
+        assert eng.cache.in_use == (0, 0)
+    assert texts[0] == texts[1] and all(texts[0])
+    assert "ahead" not in logs[0] and logs[1].count("ahead") >= 5, logs[1]
