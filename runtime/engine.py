@@ -239,7 +239,8 @@ class Engine:
         return b == n
 
     def decode(self, seqs: list[Sequence]) -> None:
-        """One decode step for every given sequence (prefilled, unfinished): each gets one more token."""
+        """One decode step for every given sequence (prefilled, unfinished): each gets one more token. Through the
+        decode graphs the next step is already queued when this returns (_decode_graphs)."""
         t0 = time.perf_counter()
         if self.graphs is not None:
             self._decode_graphs(seqs)
