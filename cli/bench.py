@@ -12,6 +12,7 @@ import json
 import math
 import statistics
 import sys
+from types import SimpleNamespace
 
 import click
 
@@ -385,25 +386,21 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         more steps: the host's share of a step, while the GPU has nothing to run (None without decode graphs)."""
         if eng.graphs is None:
             return None
-        marks = []
+        marks, g = [], eng.graphs.graphs[len(live)]
+        real = g.graph
 
-        class Timed:   # stands in for the batch size's captured graph: events just before and after each replay
-            def __init__(self, graph):
-                self.graph = graph
-
-            def replay(self):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                self.graph.replay()
-                end.record()
-                marks.append((start, end))
-        g = eng.graphs.graphs[len(live)]
-        g.graph = Timed(g.graph)
+        def replay():   # the batch size's captured graph, with events just before and after each replay
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            real.replay()
+            end.record()
+            marks.append((start, end))
+        g.graph = SimpleNamespace(replay=replay)
         try:
             for _ in range(GAP_STEPS):
                 eng.decode(live)
         finally:
-            g.graph = g.graph.graph
+            g.graph = real
         torch.cuda.synchronize()
         return statistics.median(1e3 * a[1].elapsed_time(b[0]) for a, b in zip(marks, marks[1:]))
 
