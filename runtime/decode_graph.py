@@ -3,7 +3,9 @@
 Everything a decode step reads lives in static device buffers (token ids, positions, page tables,
 state slots, sampling parameters, RNG counters); a step writes them with one pinned host-to-device copy
 per buffer group, replays the graph, and reads back only the sampled ids. Inside the graph nothing is
-allocated that the next replay does not reuse, and nothing syncs with the host.
+allocated that the next replay does not reuse, and nothing syncs with the host. A step can be queued before the
+previous one's ids reach the host (launch / collect): its rows then take their input ids from the previous
+replay's output on the device (Engine.decode's step ahead).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from .models.blocks import Step
 
-_INT_FIELDS = ("ids", "positions", "slot_mapping", "state_slots", "top_k", "seed", "counter")
+_INT_FIELDS = ("ids", "positions", "slot_mapping", "state_slots", "top_k", "seed", "counter", "from_device")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency")
 
 
@@ -40,6 +42,13 @@ def capture(fn, warmup=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def count_tokens(counts: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> None:
+    """counts[slots[i], ids[i]] += 1 on the counts' device, in one launch and without a host sync (so a decode graph
+    captures it): the generated-token counts the sample op's presence / frequency penalties read. A step's lanes
+    are distinct, so no two rows add to one count."""
+    counts.view(-1).scatter_add_(0, slots.long() * counts.shape[1] + ids.long(), torch.ones_like(ids))
+
+
 class HostStep:
     """The host side of a decode step: the pinned int32 / float32 buffers a step copies to the device, written
     in place through numpy views (no tensor per field). Layout: each field a `stride`-long slot (first b used),
@@ -53,10 +62,12 @@ class HostStep:
         self.table = self.ints[len(_INT_FIELDS) * stride:].reshape(b, width)
         self.rows: list = [None] * b          # (sequence, pages written) per page-table row
 
-    def fill(self, seqs) -> None:
+    def fill(self, seqs, ahead: bool = False) -> None:
+        """ahead: the step after the one in flight, whose tokens the host has not seen yet. Each row then feeds its
+        sequence's next token from the graph's previous output on the device (from_device), one position further."""
         ps, iv, fv, io, fo = self.page_size, self.ints, self.floats, self.io, self.fo
         for r, s in enumerate(seqs):
-            p = len(s.tokens) - 1
+            p = len(s.tokens) - 1 + ahead
             sp = s.sampling
             iv[io["ids"] + r] = s.tokens[-1]
             iv[io["positions"] + r] = p
@@ -64,7 +75,8 @@ class HostStep:
             iv[io["state_slots"] + r] = s.slot
             iv[io["top_k"] + r] = sp.top_k
             iv[io["seed"] + r] = ((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000   # as a 32-bit int
-            iv[io["counter"] + r] = s.n_generated
+            iv[io["counter"] + r] = s.n_generated + ahead
+            iv[io["from_device"] + r] = ahead
             fv[fo["temperature"] + r], fv[fo["top_p"] + r], fv[fo["min_p"] + r] = sp.temperature, sp.top_p, sp.min_p
             fv[fo["presence"] + r], fv[fo["frequency"] + r] = sp.presence_penalty, sp.frequency_penalty
             seq, done = self.rows[r] or (None, 0)
@@ -87,9 +99,13 @@ class _Graph:
         self.stride = stride = -(-b // 4) * 4
         self.ints = torch.zeros(len(_INT_FIELDS) * stride + b * self.width, dtype=torch.int32, device=dev)
         self.floats = torch.zeros(len(_FLOAT_FIELDS) * stride, dtype=torch.float32, device=dev)
-        self.host_ints = torch.zeros_like(self.ints, device="cpu").pin_memory()
-        self.host_floats = torch.zeros_like(self.floats, device="cpu").pin_memory()
-        self.host = HostStep(self.host_ints, self.host_floats, b, stride, self.width, cache.page_size)
+        # two sets of pinned host buffers, taken in turn: a launch may be queued while the previous one is in
+        # flight (Engine.decode's step ahead), and a set is rewritten only after the launch that used it was
+        # collected, i.e. after its host-to-device copies ran
+        self.host_ints = [torch.zeros_like(self.ints, device="cpu").pin_memory() for _ in range(2)]
+        self.host_floats = [torch.zeros_like(self.floats, device="cpu").pin_memory() for _ in range(2)]
+        self.hosts = [HostStep(i, f, b, stride, self.width, cache.page_size)
+                      for i, f in zip(self.host_ints, self.host_floats)]
         self.f = {n: self.ints[i * stride:i * stride + b] for i, n in enumerate(_INT_FIELDS)}
         self.f |= {n: self.floats[i * stride:i * stride + b] for i, n in enumerate(_FLOAT_FIELDS)}
         self.block_table = self.ints[len(_INT_FIELDS) * stride:].view(b, self.width)
@@ -97,6 +113,9 @@ class _Graph:
         self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, dtype=torch.int32, device=dev)
         self.out = torch.empty(b, dtype=torch.int32, device=dev)
+        self.host_out = [torch.zeros(b, dtype=torch.int32).pin_memory() for _ in range(2)]   # the ids, in turn too
+        self.copied = [torch.cuda.Event() for _ in range(2)]
+        self.turn = 0
         # warm-up writes nothing real: KV writes are skipped (slot -1), GDN state goes to the scratch slot
         self.f["slot_mapping"].fill_(-1)
         self.f["state_slots"].fill_(cache.max_seqs)
@@ -109,18 +128,33 @@ class _Graph:
         step = Step(positions=f["positions"], token_seq=self.token_seq, query_start=self.query_start,
                     slot_mapping=f["slot_mapping"], block_table=self.block_table, state_slots=f["state_slots"],
                     decode=True)
-        logits = e.model.forward(e.be, f["ids"], step, self.rows)
+        ids = torch.where(f["from_device"] != 0, self.out, f["ids"])   # rows fed by the previous replay's output
+        logits = e.model.forward(e.be, ids, step, self.rows)
         e.be.run("sample", logits=logits, counts=e._counts.index_select(0, f["state_slots"]),
                  temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],
                  presence=f["presence"], frequency=f["frequency"], seed=f["seed"], counter=f["counter"],
                  ids=self.out, domain=e.domain)
+        count_tokens(e._counts, f["state_slots"], self.out)   # on the device: no host-launched add per lane a step
+
+    def launch(self, seqs, ahead: bool = False) -> int:
+        """Queue a step (HostStep.fill's `ahead`: fed by the previous replay's ids on the device) and the copy of
+        its ids to the host; returns the ticket collect() takes. Nothing waits here."""
+        k, self.turn = self.turn, self.turn ^ 1
+        self.hosts[k].fill(seqs, ahead)
+        self.ints.copy_(self.host_ints[k], non_blocking=True)
+        self.floats.copy_(self.host_floats[k], non_blocking=True)
+        self.graph.replay()
+        self.host_out[k].copy_(self.out, non_blocking=True)
+        self.copied[k].record()
+        return k
+
+    def collect(self, k: int) -> list[int]:
+        """The sampled ids of launch ticket k (the step's one host sync)."""
+        self.copied[k].synchronize()
+        return self.host_out[k].tolist()
 
     def run(self, seqs) -> list[int]:
-        self.host.fill(seqs)
-        self.ints.copy_(self.host_ints, non_blocking=True)
-        self.floats.copy_(self.host_floats, non_blocking=True)
-        self.graph.replay()
-        return self.out.tolist()  # the step's one host sync: the sampled ids
+        return self.collect(self.launch(seqs))
 
 
 class DecodeGraphs:

@@ -14,7 +14,7 @@ import torch
 
 from .artifact import open_artifact
 from .cache import CapacityError, SequenceCache, plan_kv_pages
-from .decode_graph import DecodeGraphs
+from .decode_graph import DecodeGraphs, count_tokens
 from .dispatch import backend as make_backend
 from .models import MODELS
 from .models.blocks import Step, dequant_scratch_bytes, prefill_workspace_bytes
@@ -60,6 +60,10 @@ class SamplingParams:
 
 GREEDY = SamplingParams()
 
+# Decode through the graphs keeps the next step in flight (Engine._decode_graphs); NINFER_DECODE_AHEAD=0 turns it
+# off (A/B runs).
+DECODE_AHEAD = os.environ.get("NINFER_DECODE_AHEAD", "1") == "1"
+
 
 @dataclass
 class Sequence:
@@ -85,6 +89,14 @@ class Sequence:
     def n_generated(self) -> int:
         """len(generated) without the copy: the per-step paths use it (a slice copies every token so far)."""
         return len(self.tokens) - len(self.prompt)
+
+
+@dataclass
+class _Ahead:
+    """A decode step queued and not yet taken: its sequences (rows), graph and launch ticket."""
+    seqs: list
+    graph: object
+    ticket: int
 
 
 class Engine:
@@ -143,6 +155,7 @@ class Engine:
         self._counts = torch.zeros(max_seqs + 1, cfg.vocab, dtype=torch.int32, device=self.device)
         self.prefill_chunk = prefill_chunk
         self.graphs = DecodeGraphs(self) if be.name == "cuda" and cuda_graphs else None
+        self._ahead: _Ahead | None = None   # a decode step queued for the next decode call (_decode_graphs)
 
     # -- steps -----------------------------------------------------------------------------------
     def _step(self, seqs: list[Sequence], spans: list[tuple[int, int]], all_rows: bool = False,
@@ -169,24 +182,24 @@ class Engine:
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         ids = torch.empty(logits.shape[0], dtype=torch.int32, device=self.device)
+        f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=self.device)  # noqa: E731
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)  # noqa: E731
         if all(s.sampling.temperature <= 0 and not s.sampling.presence_penalty and not s.sampling.frequency_penalty
                for s in seqs):
             self.be.run("argmax", logits=logits, ids=ids, domain=self.domain)
-            return ids.tolist()
-        f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=self.device)  # noqa: E731
-        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)  # noqa: E731
-        sp = [s.sampling for s in seqs]
-        self.be.run("sample", logits=logits, counts=self._counts[[s.slot for s in seqs]],
-                    temperature=f32([p.temperature for p in sp]), top_k=i32([p.top_k for p in sp]),
-                    top_p=f32([p.top_p for p in sp]), min_p=f32([p.min_p for p in sp]),
-                    presence=f32([p.presence_penalty for p in sp]), frequency=f32([p.frequency_penalty for p in sp]),
-                    seed=i32([((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for s in seqs]),  # 32-bit
-                    counter=i32([s.n_generated for s in seqs]), ids=ids, domain=self.domain)
+        else:
+            sp = [s.sampling for s in seqs]
+            self.be.run("sample", logits=logits, counts=self._counts[[s.slot for s in seqs]],
+                        temperature=f32([p.temperature for p in sp]), top_k=i32([p.top_k for p in sp]),
+                        top_p=f32([p.top_p for p in sp]), min_p=f32([p.min_p for p in sp]),
+                        presence=f32([p.presence_penalty for p in sp]), frequency=f32([p.frequency_penalty for p in sp]),
+                        seed=i32([((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for s in seqs]),  # 32-bit
+                        counter=i32([s.n_generated for s in seqs]), ids=ids, domain=self.domain)
+        count_tokens(self._counts, i32([s.slot for s in seqs]), ids)   # as the decode graph does
         return ids.tolist()
 
     def _accept(self, seq: Sequence, token: int) -> None:
-        seq.tokens.append(token)
-        self._counts[seq.slot, token] += 1
+        seq.tokens.append(token)   # (its count for the penalties was added on the device when it was picked)
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
         elif seq.n_generated >= seq.max_new or len(seq.tokens) >= self.cache.max_context:
@@ -226,19 +239,67 @@ class Engine:
         return b == n
 
     def decode(self, seqs: list[Sequence]) -> None:
-        """One decode step for every given sequence (prefilled, unfinished): each gets one more token."""
+        """One decode step for every given sequence (prefilled, unfinished): each gets one more token. Through the
+        decode graphs the next step is already queued when this returns (_decode_graphs)."""
         t0 = time.perf_counter()
         if self.graphs is not None:
-            for seq in seqs:
-                self.cache.grow(seq.pages, len(seq.tokens))
-            picked = self.graphs.run(seqs)
+            self._decode_graphs(seqs)
         else:
             picked = self._pick(self._step(seqs, [(len(s.tokens) - 1, len(s.tokens)) for s in seqs]), seqs)
-        for seq, tok in zip(seqs, picked):
-            self._accept(seq, tok)
+            for seq, tok in zip(seqs, picked):
+                self._accept(seq, tok)
         dt = time.perf_counter() - t0
         for seq in seqs:
             seq.decode_s += dt
+
+    def _decode_graphs(self, seqs: list[Sequence]) -> None:
+        """decode() through the captured graphs with one step kept in flight: once a step is queued, the step after
+        it is queued too (its rows fed on the device by the first one's ids, DecodeGraphs' launch ahead), so the
+        host's work between calls (the caller's, and this call's bookkeeping) overlaps the GPU. A call that names
+        the same sequences in the same order as the step in flight takes its ids; any other call takes them for
+        whichever of its sequences are still open (their state has advanced already: a sequence left out still
+        gets its token), and the rest get a step of their own."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and len(ahead.seqs) == len(seqs) and all(a is b for a, b in zip(ahead.seqs, seqs)) \
+                and self._room(seqs, 2):
+            self._grow(seqs, 1)
+            k = ahead.graph.launch(seqs, ahead=True)
+            self._take(ahead)
+            self._ahead = _Ahead(list(seqs), ahead.graph, k)
+            return
+        done = self._take(ahead) if ahead is not None else set()
+        rest = [s for s in seqs if id(s) not in done]
+        if rest:
+            self._grow(rest, 0)
+            for seq, tok in zip(rest, self.graphs.run(rest)):
+                self._accept(seq, tok)
+        live = [s for s in seqs if s.finish_reason is None]
+        if DECODE_AHEAD and live and self._room(live, 1):
+            self._grow(live, 0)
+            graph = self.graphs.graphs[len(live)]
+            self._ahead = _Ahead(live, graph, graph.launch(live))
+
+    def _take(self, ahead: "_Ahead") -> set[int]:
+        """Accept a queued step's ids for its sequences that are still open (neither released nor finished);
+        returns id() of those."""
+        done = set()
+        for seq, tok in zip(ahead.seqs, ahead.graph.collect(ahead.ticket)):
+            if seq.slot is not None and seq.finish_reason is None:
+                self._accept(seq, tok)
+                done.add(id(seq))
+        return done
+
+    def _room(self, seqs: list[Sequence], n: int) -> bool:
+        """Every sequence can take n more tokens, and the pool has the pages for the positions up to the n-th
+        (a step queued ahead writes one position past the token in flight)."""
+        ps = self.cache.page_size
+        pages = sum(max(0, -(-(len(s.tokens) + n - 1) // ps) - len(s.pages)) for s in seqs)
+        return pages <= len(self.cache.free_pages) and all(
+            s.n_generated + n <= s.max_new and len(s.tokens) + n <= self.cache.max_context for s in seqs)
+
+    def _grow(self, seqs: list[Sequence], ahead: int) -> None:
+        for seq in seqs:   # the fed token's position, `ahead` past the last accepted one
+            self.cache.grow(seq.pages, len(seq.tokens) + ahead)
 
     def release(self, seq: Sequence) -> None:
         """Return the sequence's lane and KV pages to the pool (idempotent; call it however the request ended)."""
@@ -301,7 +362,7 @@ class Engine:
 
     def close(self) -> None:
         """Drop the weights (CPU weights may be views of the artifact's mapping), then close the artifact."""
-        self.model = self.weights = self.graphs = None
+        self.model = self.weights = self.graphs = self._ahead = None
         if self.art is not None:
             self.art.close()
             self.art = None

@@ -200,9 +200,10 @@ def test_packed_weights_match_the_reference_backend(kind, fmt):
 
 
 def test_penalties_see_the_same_counts_with_and_without_graphs():
-    """The decode graph adds each sampled token to its sequence's counts on the device (the next step's
-    presence / frequency penalties read them); the eager path adds them from the host. Seeded sampling with
-    penalties must give the same tokens both ways, in a batch with differently penalised sequences."""
+    """The decode graph adds each sampled token to its sequence's counts inside the graph (count_tokens, captured:
+    the next step's presence / frequency penalties read them); the eager path adds them with the same call outside
+    any graph. Seeded sampling with penalties must give the same tokens both ways, in a batch with differently
+    penalised sequences."""
     from ninfer.runtime.engine import Engine, SamplingParams
     path = ORACLE / "dense.ninfer"
     if not path.is_file():
@@ -220,6 +221,43 @@ def test_penalties_see_the_same_counts_with_and_without_graphs():
             eng.close()
     assert runs[0] == runs[1]
     assert len(set(runs[0][0])) > 1, "the sampled sequence should vary"
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_decode_steps_ahead_give_the_same_tokens(monkeypatch, kind):
+    """Engine._decode_graphs keeps the next step in flight on the real graphs (its rows fed on the device by the
+    step before, the host buffers taken in turn): the same tokens as one synchronous step per call, for greedy and
+    penalised seeded sampling in one batch, with every lane and page back in the pool. (Batch changes, finishing
+    lanes and releases in flight: tests/unit/test_decode_ahead.py; here every lane runs to the same max_new, so
+    both runs step the same batches and the kernels see the same T.)"""
+    from ninfer.runtime import engine as engine_mod
+    from ninfer.runtime.engine import Engine, SamplingParams
+    path = ORACLE / f"{kind}.ninfer"
+    if not path.is_file():
+        pytest.skip(f"no artifact at {path} (python tests/gpu/make_oracle.py {ORACLE})")
+    params = [SamplingParams(temperature=0.8, presence_penalty=1.5, seed=21), SamplingParams(),
+              SamplingParams(temperature=0.7, top_k=20, top_p=0.95, frequency_penalty=0.8, seed=22)]
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    from ninfer.runtime import decode_graph
+    launches, real = [], decode_graph._Graph.launch
+
+    def launch(graph, seqs, ahead=False):
+        launches.append(ahead)
+        return real(graph, seqs, ahead)
+    monkeypatch.setattr(decode_graph._Graph, "launch", launch)
+    eng = Engine(path, backend="cuda", max_context=128, max_seqs=4, prefill_chunk=16)
+    try:
+        runs = []
+        for on in (False, True):
+            monkeypatch.setattr(engine_mod, "DECODE_AHEAD", on)
+            launches.clear()
+            runs.append([s.generated for s in eng.generate(prompts, max_new=24, sampling=params)])
+            assert eng.cache.in_use == (0, 0)
+            assert sum(launches) >= (20 if on else 0) and (on or not any(launches))   # fed on the device
+        assert runs[0] == runs[1]
+        assert len(set(runs[0][0])) > 1, "the sampled sequence should vary"
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("artifact", ["moe.ninfer", "moe.mix.ninfer", "next.mix.ninfer"])

@@ -142,3 +142,29 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(models):
     with pytest.raises(EngineError, match="0 < top_p <= 1"):
         eng.generate([ids], sampling=SamplingParams(temperature=1.0, top_p=0.0))
     assert eng.cache.in_use == (0, 0)
+
+
+def test_penalty_counts_are_each_lanes_generated_tokens(models):
+    """The sample op's presence / frequency penalties read per-lane counts of the generated tokens; the engine adds
+    each picked token on the device (count_tokens, one launch a step, as the decode graph does). After a batch with
+    penalties and greedy lanes mixed, every lane's counts are the histogram of its own generated tokens."""
+    from ninfer.runtime.engine import SamplingParams
+    _, art = models("dense")
+    eng = Engine(art, backend="reference", max_context=128, max_seqs=4)
+    params = [SamplingParams(temperature=0.9, presence_penalty=1.0, seed=3), SamplingParams(),
+              SamplingParams(temperature=0.8, frequency_penalty=0.7, seed=4)]
+    seqs = [eng.open(prompt(6 + i, 20 + i), max_new=12, sampling=sp) for i, sp in enumerate(params)]
+    try:
+        for seq in seqs:
+            while not eng.prefill(seq):
+                pass
+        while live := [s for s in seqs if s.finish_reason is None]:
+            eng.decode(live)
+        for seq in seqs:
+            want = torch.bincount(torch.tensor(seq.generated), minlength=eng._counts.shape[1]).to(torch.int32)
+            assert torch.equal(eng._counts[seq.slot], want), f"lane {seq.slot}"
+        assert int(eng._counts.sum()) == sum(len(s.generated) for s in seqs) == 36
+    finally:
+        for seq in seqs:
+            eng.release(seq)
+    assert eng.cache.in_use == (0, 0)

@@ -1,5 +1,6 @@
 """The host side of a graph-replayed decode step (runtime/decode_graph.HostStep) writes what a plain rebuild of
-every field and of the whole page table would, step after step, as sequences grow pages and the batch changes."""
+every field and of the whole page table would, step after step, as sequences grow pages and the batch changes,
+for plain steps and for steps ahead (fed on the device by the step in flight: one position further)."""
 import random
 from types import SimpleNamespace
 
@@ -11,16 +12,16 @@ from ninfer.runtime.decode_graph import _FLOAT_FIELDS, _INT_FIELDS, HostStep
 PS, WIDTH = 4, 12
 
 
-def rebuilt(seqs, b, stride):
+def rebuilt(seqs, b, stride, ahead=False):
     """Every field and the whole table written from scratch (what a step must copy to the device)."""
     ints = np.zeros(len(_INT_FIELDS) * stride + b * WIDTH, np.int32)
     floats = np.zeros(len(_FLOAT_FIELDS) * stride, np.float32)
     for r, s in enumerate(seqs):
-        p = len(s.tokens) - 1
+        p = len(s.tokens) - 1 + ahead   # ahead: the token in flight sits at len(tokens), the host has not seen it
         sp = s.sampling
         vals = {"ids": s.tokens[-1], "positions": p, "slot_mapping": s.pages[p // PS] * PS + p % PS,
                 "state_slots": s.slot, "top_k": sp.top_k, "seed": ((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000,
-                "counter": len(s.generated)}
+                "counter": len(s.generated) + ahead, "from_device": int(ahead)}
         for i, n in enumerate(_INT_FIELDS):
             ints[i * stride + r] = vals[n]
         fvals = {"temperature": sp.temperature, "top_p": sp.top_p, "min_p": sp.min_p,
@@ -39,7 +40,7 @@ class Seq(SimpleNamespace):
 
 def new_seq(rng, slot):
     n = rng.randrange(1, 9)
-    return Seq(tokens=[rng.randrange(1000) for _ in range(n)], pages=[rng.randrange(100) for _ in range(-(-n // PS))],
+    return Seq(tokens=[rng.randrange(1000) for _ in range(n)], pages=[rng.randrange(100) for _ in range(-(-(n + 1) // PS))],
                            slot=slot, seed=rng.randrange(1 << 40), generated=[],
                            sampling=SimpleNamespace(top_k=rng.randrange(50), temperature=rng.random(), top_p=rng.random(),
                                                     min_p=rng.random(), presence_penalty=rng.random(),
@@ -58,12 +59,13 @@ def test_each_step_writes_what_a_full_rebuild_writes():
             for s in seqs:                       # one more token; a new page when the last one is full
                 s.tokens.append(rng.randrange(1000))
                 s.generated.append(s.tokens[-1])
-                if len(s.tokens) > PS * len(s.pages):
+                if len(s.tokens) + 1 > PS * len(s.pages):   # room for a step ahead too
                     s.pages.append(rng.randrange(100))
             if step % 7 == 3:                    # a sequence ends, another takes its row; rows swap
                 seqs[rng.randrange(b)] = new_seq(rng, rng.randrange(8))
                 rng.shuffle(seqs)
-            host.fill(seqs)
-            want_i, want_f = rebuilt(seqs, b, stride)
+            ahead = step % 3 == 1
+            host.fill(seqs, ahead)
+            want_i, want_f = rebuilt(seqs, b, stride, ahead)
             assert np.array_equal(ints.numpy(), want_i), (b, step)
             assert np.array_equal(floats.numpy(), want_f), (b, step)
