@@ -122,8 +122,10 @@ class Server:
 
 async def _stream(session, url: str, prompt: str, max_tokens: int, seed: int) -> dict:
     """One streaming chat request; the arrival time of every chunk that carries text."""
-    # sampled (a fixed seed per stream): greedy decoding of random weights can repeat a token that has no text
-    body = {"model": "bench", "stream": True, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+    # sampled as the artifact's generation_config says (Qwen's: temperature 0.6, top-k 20, top-p 0.95; what a
+    # client that sets nothing gets), with a fixed seed per stream: greedy decoding of random weights can repeat
+    # a token that has no text
+    body = {"model": "bench", "stream": True, "max_tokens": max_tokens, "seed": seed,
             "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": prompt}]}
     t0 = time.perf_counter()
     arrivals, usage = [], None
@@ -318,7 +320,9 @@ def _ints(text: str, what: str, lo: int = 1, hi: int | None = None) -> list[int]
 @click.option("--concurrency", default="1,2,4,8", show_default=True, help="concurrent streams for decode (1..8)")
 @click.option("--decode-prompt", type=click.IntRange(1), default=8192, show_default=True,
               help="prompt tokens of each decode stream")
-@click.option("--max-tokens", type=click.IntRange(4), default=128, show_default=True, help="tokens per decode stream")
+# 512: at C = 8 the later streams' 8K prefills overlap the first ones' decoding, and 128 tokens left a window of
+# ~15 steps in which all eight decode (H200, session 22)
+@click.option("--max-tokens", type=click.IntRange(4), default=512, show_default=True, help="tokens per decode stream")
 @click.option("--backend", type=click.Choice(["auto", "cuda", "reference"]), default="auto", show_default=True)
 @click.option("--peer", type=click.Choice(["transformers", "none"]), default="transformers", show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("build/bench"), show_default=True)
