@@ -60,6 +60,10 @@ CASES = [
     *(("paged_attention_split", {"NH": nh, "NKV": nkv, "D": 256, "BS": 16, "KS": ks}, [1, 2, 4, 8])
       for nh, nkv in ((24, 4), (16, 2)) for ks in (8, 16, 32, 64)),
     *(("merge_attn_states", {"NH": 24, "D": 256, "KS": ks}, [1, 8]) for ks in (8, 16, 32, 64)),
+    # the same over the FP8 cache (E4M3 codes, half the bytes)
+    ("paged_attention_fp8", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 8, 4096]),
+    *(("paged_attention_split_fp8", {"NH": 24, "NKV": 4, "D": 256, "BS": 16, "KS": ks}, [1, 2, 4, 8]) for ks in (8, 32)),
+    *(("paged_attention_split_fp8", {"NH": 16, "NKV": 2, "D": 256, "BS": 16, "KS": ks}, [1, 8]) for ks in (8, 32)),
     # the routed experts of a 35B-A3B MoE layer: the single op, and its split decode form (gate_up, then down)
     *((op, MOE_35B, [1, 2, 4, 8, 16, 32, 64]) for op in ("moe_gate_up_q4", "moe_down_q4")),
     ("moe_experts_q4", MOE_35B, [1, 2, 4, 8, 16, 32, 64, 256, 1024]),
@@ -118,6 +122,7 @@ def _time_graph(torch, plans, reps: int, launches: int = 20) -> float:
 
 OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5},
              "paged_attention_split": {"scale": 256 ** -0.5}, "gdn_decode": {"scale": 128 ** -0.5},
+             "paged_attention_fp8": {"scale": 256 ** -0.5}, "paged_attention_split_fp8": {"scale": 256 ** -0.5},
              "attn_qk_prep": {"theta": 1.0e7, "rotary_dim": 64}, "argmax": {"domain": 248077},
              "sample": {"domain": 248077}}
 
@@ -199,8 +204,9 @@ def ops_cmd(ops, routes, reps, json_out) -> None:
     bench_ops(ops, reps, json_out, routes)
 
 
-def model_figures(cfg, n_prompt_tokens: int, fmt: str = "bf16") -> dict:
-    """FLOPs per prompt token (weights + causal attention at this length) and decode bytes per step."""
+def model_figures(cfg, n_prompt_tokens: int, fmt: str = "bf16", kv_bytes: int = 2) -> dict:
+    """FLOPs per prompt token (weights + causal attention at this length) and decode bytes per step (kv_bytes: per
+    cached K or V element, 1 with the FP8 cache)."""
     from ninfer.runtime.synthetic import weight_bytes, weight_shapes
     shapes, nbytes = weight_shapes(cfg), weight_bytes(cfg, fmt)
     matmul_params = sum(math.prod(s) for n, s in shapes.items() if len(s) >= 2 and n != "embed"
@@ -215,7 +221,7 @@ def model_figures(cfg, n_prompt_tokens: int, fmt: str = "bf16") -> dict:
             # one expert's weights in one layer: a decode step reads min(E, C*K) of them per MoE layer
             "expert_bytes_per_choice": sum(b for n, b in nbytes.items() if ".experts." in n)
                                        // max(cfg.experts * sum(cfg.moe_layers), 1),
-            "kv_bytes_per_token": 2 * attn_layers * cfg.kv_heads * cfg.head_dim * 2,
+            "kv_bytes_per_token": 2 * attn_layers * cfg.kv_heads * cfg.head_dim * kv_bytes,
             "gdn_state_bytes": (cfg.layers - attn_layers) * cfg.v_heads * cfg.k_dim * cfg.v_dim * 4}
 
 
@@ -304,7 +310,8 @@ def omit_launches(be, ops) -> None:
 
 def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_prompt: int, steps: int,
                 json_out: str | None, fmt: str = "bf16", profile: int = 0, prefill_chunk: int = 4096,
-                prefill_reps: int = 3, omit: tuple[str, ...] = (), sampling: str = "greedy") -> None:
+                prefill_reps: int = 3, omit: tuple[str, ...] = (), sampling: str = "greedy",
+                kv_cache_dtype: str = "auto") -> None:
     import time
 
     import torch
@@ -320,10 +327,12 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
     new_tokens = (steps + len(concurrency)) * (2 if omit else 1) + GAP_STEPS * len(concurrency) + 8
     ctx = max(max(prompts), decode_prompt + new_tokens) + 16
     eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
-                              max_seqs=max(concurrency), prefill_chunk=prefill_chunk)
+                              max_seqs=max(concurrency), prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype)
+    kv_bytes = 1 if eng.kv_cache_dtype == "fp8_e4m3" else 2
     dev = eng.be.device
     click.echo(f"# {shape} ({fmt} synthetic weights) on {dev.name}; ceilings measured: copy {copy_gbs:,.0f} GB/s, "
-               f"bf16 GEMM {gemm_tflops:,.0f} TFLOP/s; KV pages {eng.cache.num_pages} x {eng.cache.page_size}; "
+               f"bf16 GEMM {gemm_tflops:,.0f} TFLOP/s; KV pages {eng.cache.num_pages} x {eng.cache.page_size} "
+               f"(kv cache {eng.kv_cache_dtype}); "
                f"prefill chunk {prefill_chunk}")
     rng = torch.Generator().manual_seed(0)
     rows = []
@@ -347,7 +356,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         # the first prefill of a length pays its plans, module loads and allocations: warm up, then the median
         prefill_secs(n)
         secs = sorted(prefill_secs(n) for _ in range(prefill_reps))[prefill_reps // 2]
-        fig = model_figures(cfg, n // 2, fmt)
+        fig = model_figures(cfg, n // 2, fmt, kv_bytes)
         tps = n / secs
         frac = tps * fig["flops_per_token"] / (gemm_tflops * 1e12)
         rows.append({"kind": "prefill", "tokens": n, "tok_s": tps, "ttft_s": secs, "peak_frac": frac})
@@ -416,7 +425,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             live = seqs[:c]
             st = decode_secs(live)
             secs, gap = st["median"], host_gap_us(live)
-            fig = model_figures(cfg, decode_prompt, fmt)
+            fig = model_figures(cfg, decode_prompt, fmt, kv_bytes)
             ctx_now = len(live[0].tokens)
             nbytes = decode_step_bytes(cfg, fig, c, ctx_now)
             tps = c / secs
@@ -447,7 +456,8 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             eng.release(s)
     if json_out:
         with open(json_out, "w") as f:
-            json.dump({"shape": shape, "device": dev.name, "weights": fmt, "prefill_chunk": prefill_chunk, "copy_GBps": copy_gbs,
+            json.dump({"shape": shape, "device": dev.name, "weights": fmt, "kv_cache_dtype": eng.kv_cache_dtype,
+                       "prefill_chunk": prefill_chunk, "copy_GBps": copy_gbs,
                        "gemm_TFLOPs": gemm_tflops, "rows": rows}, f, indent=1)
 
 
@@ -473,9 +483,11 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
 @click.option("--sampling", type=click.Choice(list(SAMPLING)), default="greedy", show_default=True,
               help="decode's token choice: greedy, qwen (temperature 0.7, top-k 20, top-p 0.95) or pure "
               "(temperature 1, every id kept)")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto", show_default=True,
+              help="KV cache storage (as ninfer-serve's): fp8 = E4M3 codes; the roofline counts its bytes")
 @click.option("--json", "json_out", type=click.Path())
 def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, prefill_chunk, prefill_reps,
-              omit, sampling, json_out) -> None:
+              omit, sampling, kv_cache_dtype, json_out) -> None:
     """Prefill and decode tok/s of the whole model at real shapes with synthetic weights."""
     from ninfer.runtime.cuda import gpu_available
     from ninfer.runtime.manifest import Manifest
@@ -495,7 +507,7 @@ def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, p
         click.echo("ninfer-bench model: needs a CUDA GPU (none found)", err=True)
         sys.exit(2)
     bench_model(shape, [int(x) for x in prompts.split(",")], levels, decode_prompt, steps, json_out, fmt, profile,
-                prefill_chunk, prefill_reps, omit, sampling)
+                prefill_chunk, prefill_reps, omit, sampling, kv_cache_dtype)
 
 
 main.add_command(serve_cmd)   # `ninfer-bench serve` (cli/bench_serve.py)

@@ -63,7 +63,7 @@ def op_flops(op: str, T: int, problem: dict) -> int:
         return 2 * T * 2 * problem["I"] * problem["K"]
     if op.startswith("linear"):
         return 2 * T * problem["N"] * problem["K"]
-    if op in ("paged_attention", "paged_attention_split"):   # Q.K and P.V over the keys each query sees
+    if op.startswith("paged_attention"):   # Q.K and P.V over the keys each query sees
         keys = T * ATTN_CONTEXT if T <= ATTN_DECODE_MAX_T else sum(range(ATTN_CONTEXT - T + 1, ATTN_CONTEXT + 1))
         return 4 * keys * problem["NH"] * problem["D"]
     if is_expert_op(op) and op not in ("moe_align", "moe_sum"):
@@ -83,7 +83,7 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         return _make_gdn(torch, dims, rng)
     if op == "gdn_conv":
         return _make_gdn_conv(torch, dims, rng)
-    if op in ("paged_attention", "paged_attention_split"):
+    if op.startswith("paged_attention"):
         return _make_attention(torch, dims, rng, op)
     if op == "gdn_decode":
         return _make_gdn_decode(torch, dims, rng)
@@ -170,19 +170,24 @@ def _make_attention(torch, dims, rng, op):
     """T <= ATTN_DECODE_MAX_T: a decode step, T sequences of ATTN_CONTEXT tokens each, one query token per sequence.
     Larger T: a prefill chunk, the last T tokens of one ATTN_CONTEXT-token prompt. Every page of the cache belongs to
     a sequence (so the cache's bytes are the bytes the launch must read). paged_attention_split writes KS partials
-    per (token, head) instead of o."""
+    per (token, head) instead of o. The _fp8 ops read E4M3 codes: random magnitudes below 4 (codes < 0x48), random signs."""
     T, nh, nkv, d, bs = dims["T"], dims["NH"], dims["NKV"], dims["D"], dims["BS"]
     decode = T <= ATTN_DECODE_MAX_T
     seqs, mb = (T if decode else 1), ATTN_CONTEXT // bs
     dev = rng.device
-    cache = lambda: torch.randn(seqs * mb, bs, nkv, d, device=dev, generator=rng).bfloat16()  # noqa: E731
+    if op.endswith("_fp8"):
+        shape = (seqs * mb, bs, nkv, d)
+        byte = lambda hi: torch.randint(0, hi, shape, device=dev, generator=rng, dtype=torch.uint8)  # noqa: E731
+        cache = lambda: byte(0x48) | (byte(2) << 7)  # noqa: E731
+    else:
+        cache = lambda: torch.randn(seqs * mb, bs, nkv, d, device=dev, generator=rng).bfloat16()  # noqa: E731
     ts = {"q": torch.randn(T, nh, d, device=dev, generator=rng).bfloat16(), "k_cache": cache(), "v_cache": cache(),
           "block_table": torch.randperm(seqs * mb, device=dev, generator=rng).int().view(seqs, mb),
           "token_seq": (torch.arange(T, dtype=torch.int32, device=dev) if decode
                         else torch.zeros(T, dtype=torch.int32, device=dev)),
           "positions": (torch.full((T,), ATTN_CONTEXT - 1, dtype=torch.int32, device=dev) if decode
                         else torch.arange(ATTN_CONTEXT - T, ATTN_CONTEXT, dtype=torch.int32, device=dev))}
-    if op == "paged_attention":
+    if not op.startswith("paged_attention_split"):
         ts["o"] = torch.empty(T, nh, d, device=dev, dtype=torch.bfloat16)
     else:
         ks = dims["KS"]

@@ -83,12 +83,13 @@ class Server:
     """ninfer-serve in a child process on a free loopback port; stopped (and waited for) on exit."""
 
     def __init__(self, artifact: Path, *, backend: str, max_concurrency: int, max_context: int,
-                 startup_timeout: float):
+                 startup_timeout: float, kv_cache_dtype: str = "auto"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "ninfer.cli.serve", str(artifact), "--port", str(self.port),
                     "--backend", backend, "--max-concurrency", str(max_concurrency), "--max-context",
-                    str(max_context), "--model-id", "bench"]   # ninfer-serve's own prefill chunks: what users get
+                    str(max_context), "--model-id", "bench", "--kv-cache-dtype", kv_cache_dtype]
+        # (ninfer-serve's own prefill chunks: what users get)
         self.startup_timeout = startup_timeout
 
     def __enter__(self) -> "Server":
@@ -247,8 +248,9 @@ def run_peer(hf_conf: dict, prompts: list[int], concurrency: list[int], decode_p
 
 
 # -- figures -------------------------------------------------------------------------------------
-def add_rooflines(side: dict, cfg, fmt: str, ceilings: tuple | None) -> None:
-    """peak_frac on prefill rows (FLOPs / bf16 GEMM peak), bw_frac on decode rows (bytes / copy rate)."""
+def add_rooflines(side: dict, cfg, fmt: str, ceilings: tuple | None, kv_bytes: int = 2) -> None:
+    """peak_frac on prefill rows (FLOPs / bf16 GEMM peak), bw_frac on decode rows (bytes / copy rate; kv_bytes per
+    cached K or V element)."""
     from ninfer.cli.bench import decode_step_bytes, model_figures
     if ceilings is None:
         return
@@ -260,7 +262,7 @@ def add_rooflines(side: dict, cfg, fmt: str, ceilings: tuple | None) -> None:
     for r in side["decode"]:
         if "tok_s" in r:
             step_s = r["concurrency"] / r["tok_s"]
-            nbytes = decode_step_bytes(cfg, model_figures(cfg, 0, fmt), r["concurrency"], int(r["context"]))
+            nbytes = decode_step_bytes(cfg, model_figures(cfg, 0, fmt, kv_bytes), r["concurrency"], int(r["context"]))
             r["bw_frac"] = nbytes / step_s / (copy_gbs * 1e9)
 
 
@@ -329,9 +331,11 @@ def _ints(text: str, what: str, lo: int = 1, hi: int | None = None) -> list[int]
 @click.option("--resources-from", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="artifact whose tokenizer and chat template the synthetic one copies (default: the demo model)")
 @click.option("--startup-timeout", type=click.IntRange(1), default=1800, show_default=True, help="seconds")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto", show_default=True,
+              help="ninfer-serve's KV cache storage (fp8: E4M3 codes; the roofline counts their bytes)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tokens, backend, peer, workdir,
-              resources_from, startup_timeout, json_out) -> None:
+              resources_from, startup_timeout, kv_cache_dtype, json_out) -> None:
     """Prefill / TTFT and aggregate decode through ninfer-serve over HTTP, beside a transformers peer."""
     import torch
 
@@ -360,10 +364,11 @@ def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tok
         torch.cuda.empty_cache()
     max_context = max(max(prompt_lens), decode_prompt) + max_tokens + 64
     with Server(artifact, backend=backend, max_concurrency=max(levels), max_context=max_context,
-                startup_timeout=startup_timeout) as srv:
+                startup_timeout=startup_timeout, kv_cache_dtype=kv_cache_dtype) as srv:
         ours = asyncio.run(drive(srv.url, prompt_lens, levels, decode_prompt, max_tokens))
-    add_rooflines(ours, cfg, fmt, ceilings)
-    result = {"artifact": str(artifact), "weights": fmt, "backend": "cuda" if gpu else "reference",
+    add_rooflines(ours, cfg, fmt, ceilings, 2 if kv_cache_dtype == "auto" else 1)
+    result = {"artifact": str(artifact), "weights": fmt, "kv_cache_dtype": kv_cache_dtype,
+              "backend": "cuda" if gpu else "reference",
               "device": torch.cuda.get_device_name() if gpu else "cpu",
               "ceilings": {"copy_GBps": ceilings[0], "gemm_TFLOPs": ceilings[1]} if ceilings else None,
               "ninfer": ours}

@@ -82,9 +82,13 @@ def shout(text: str) -> None:
 @click.option("--prefill-chunk-decoding", type=click.IntRange(1), default=512, show_default=True,
               help="Prompt tokens per prefill step while other requests decode (long prompts interleave with "
                    "their decode steps); at most --prefill-chunk.")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto", show_default=True,
+              help="KV cache storage: auto = the model's dtype (bf16); fp8 = E4M3, half the bytes (twice the context "
+                   "in the same memory, faster long-context decode; sm_89+).")
 def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_context, max_pending_requests,
          pending_timeout_ms, max_request_mib, default_max_tokens, request_log_jsonl, request_log_max_mib,
-         request_log_keep, tolerant_tool_calls, chat_template, backend, prefill_chunk, prefill_chunk_decoding):
+         request_log_keep, tolerant_tool_calls, chat_template, backend, prefill_chunk, prefill_chunk_decoding,
+         kv_cache_dtype):
     """Serve ARTIFACT (a .ninfer file) over OpenAI Chat Completions, OpenAI Responses and Anthropic Messages."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if demo == (artifact is not None):
@@ -105,7 +109,8 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
                           max_request_mib=max_request_mib, default_max_tokens=default_max_tokens,
                           log_path=request_log_jsonl, log_max_mib=request_log_max_mib, log_keep=request_log_keep,
                           tolerant=tolerant_tool_calls, template=chat_template, backend=backend,
-                          prefill_chunk=prefill_chunk, prefill_chunk_decoding=prefill_chunk_decoding, demo=demo))
+                          prefill_chunk=prefill_chunk, prefill_chunk_decoding=prefill_chunk_decoding,
+                          kv_cache_dtype=kv_cache_dtype, demo=demo))
     except KeyboardInterrupt:
         pass
 
@@ -113,7 +118,7 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
 def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending, pending_timeout_ms,
                 max_request_mib=64.0, default_max_tokens=8192, log_path=None, log_max_mib=64.0, log_keep=3,
                 tolerant=False, template=None, backend="auto", prefill_chunk=4096, prefill_chunk_decoding=512,
-                api_key=None, engine=None):
+                kv_cache_dtype="auto", api_key=None, engine=None):
     """Engine, scheduler and server state (also what tests start in-process)."""
     from ninfer.runtime.artifact import ArtifactError
     from ninfer.runtime.chat import ChatError
@@ -128,7 +133,7 @@ def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending
     try:
         if engine is None:
             engine = Engine(artifact, backend=backend, max_context=max_context, max_seqs=max_concurrency,
-                            prefill_chunk=prefill_chunk)
+                            prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype)
         text = ModelText(engine.art, template)
     except (ArtifactError, EngineError, TokenizerError, ChatError, OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
@@ -149,11 +154,13 @@ async def serve(artifact, *, host, port, demo=False, api_key=None, **options) ->
     state.request_log.write("server_start", artifact=str(artifact), model_id=state.model_id, host=host, port=bound,
                             backend=engine.be.name, max_concurrency=engine.cache.max_seqs,
                             max_context=state.max_context, kv_pages=engine.cache.num_pages,
+                            kv_cache_dtype=engine.kv_cache_dtype,
                             prefill_chunk=engine.prefill_chunk,
                             prefill_chunk_decoding=state.scheduler.prefill_chunk_decoding, auth=bool(api_key), demo=demo,
                             argv=_redacted(sys.argv))
     click.echo(f"ninfer-serve: {state.model_id} on http://{host}:{bound}  (backend {engine.be.name}, "
-               f"{engine.cache.max_seqs} lanes, context {state.max_context}, {engine.cache.num_pages} KV pages, "
+               f"{engine.cache.max_seqs} lanes, context {state.max_context}, {engine.cache.num_pages} KV pages "
+               f"(kv cache {engine.kv_cache_dtype}), "
                f"ready in {time.perf_counter() - t0:.1f} s)", err=True)
     click.echo(f"  OpenAI:    http://{host}:{bound}/v1  (chat/completions, responses, models)\n"
                f"  Anthropic: http://{host}:{bound}  (v1/messages, v1/messages/count_tokens)\n"

@@ -15,14 +15,28 @@ class CapacityError(RuntimeError):
     """The request cannot fit the planned memory (context too long, or no free lane/pages)."""
 
 
+# --kv-cache-dtype values (vLLM's names): "auto" keeps K and V in the model's dtype; "fp8" / "fp8_e4m3" stores E4M3
+# codes (one byte an element, scale 1: the _fp8 attention ops), which halves the cache's bytes and doubles the
+# context a pool holds.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype the KV pool is allocated in (uint8 for E4M3 codes)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return dtype if kv_cache_dtype == "auto" else torch.uint8
+
+
 class SequenceCache:
     def __init__(self, cfg: HybridConfig, *, max_seqs: int, max_context: int, page_size: int, device,
-                 dtype: torch.dtype, num_pages: int | None = None):
+                 dtype: torch.dtype, num_pages: int | None = None, kv_dtype: torch.dtype | None = None):
         self.cfg, self.page_size, self.max_context, self.max_seqs = cfg, page_size, max_context, max_seqs
         self.pages_per_seq = -(-max_context // page_size)
         self.num_pages = num_pages or max_seqs * self.pages_per_seq
         shape = (self.num_pages, page_size, cfg.kv_heads, cfg.head_dim)
-        self.kv = {i: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        kv_dtype = kv_dtype or dtype   # uint8: E4M3 codes (code 0 is 0.0)
+        self.kv = {i: (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
                    for i in range(cfg.layers) if cfg.is_attention(i)}
         # slot max_seqs is scratch for padding rows; real sequences use 0..max_seqs-1
         self.gdn = {i: (torch.zeros(max_seqs + 1, cfg.conv_channels, cfg.conv_width - 1, dtype=dtype, device=device),
@@ -70,7 +84,7 @@ class SequenceCache:
         return self.max_seqs - len(self.free_slots), self.num_pages - len(self.free_pages)
 
 
-def plan_kv_pages(cfg: HybridConfig, device, dtype, max_seqs: int, max_context: int, page_size: int,
+def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_context: int, page_size: int,
                   prefill_chunk: int, kv_capacity: str | int = "auto", scratch_bytes: int = 0) -> int:
     """KV pages to allocate: every lane at full context when that fits; with `auto` on a GPU, what is left
     after the weights, the GDN states and a workspace reserve. Refuses a context that cannot fit once."""
@@ -81,7 +95,7 @@ def plan_kv_pages(cfg: HybridConfig, device, dtype, max_seqs: int, max_context: 
     if torch.device(device).type != "cuda":
         return want
     attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
-    page_bytes = 2 * attn_layers * page_size * cfg.kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    page_bytes = 2 * attn_layers * page_size * cfg.kv_heads * cfg.head_dim * torch.empty((), dtype=kv_dtype).element_size()
     gdn_bytes = (cfg.layers - attn_layers) * (max_seqs + 1) * (
         cfg.v_heads * cfg.k_dim * cfg.v_dim * 4 + cfg.conv_channels * (cfg.conv_width - 1) * 2)
     free, _ = torch.cuda.mem_get_info(device)

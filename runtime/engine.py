@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .artifact import open_artifact
-from .cache import CapacityError, SequenceCache, plan_kv_pages
+from .cache import KV_CACHE_DTYPES, CapacityError, SequenceCache, kv_storage_dtype, plan_kv_pages
 from .decode_graph import DecodeGraphs, count_tokens
 from .dispatch import backend as make_backend
 from .models import MODELS
@@ -99,10 +99,13 @@ class _Ahead:
     ticket: int
 
 
+FP8_KV_OPS = ("kv_cache_write_fp8", "paged_attention_fp8", "paged_attention_split_fp8")   # kv_cache_dtype fp8
+
+
 class Engine:
     def __init__(self, artifact_path, *, backend: str = "auto", max_context: int = 4096, max_seqs: int = 8,
                  page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
-                 cuda_graphs: bool = True, packed_weights: bool | None = None):
+                 cuda_graphs: bool = True, packed_weights: bool | None = None, kv_cache_dtype: str = "auto"):
         """packed_weights: keep q4/q5/q6/w8/fp8 matrices packed (the packed ops decode them on the fly).
         Default: on the cuda backend; the reference backend decodes them once at load (its packed ops would
         re-decode every matrix at every step: a CPU demo would crawl)."""
@@ -116,7 +119,7 @@ class Engine:
             weights = load_weights(self.art, device, torch.bfloat16 if be.name == "cuda" else torch.float32, packed)
             self._setup(be, cfg, weights, token_domain(self.art, cfg.vocab), max_context=max_context,
                         max_seqs=max_seqs, page_size=page_size, prefill_chunk=prefill_chunk,
-                        kv_capacity=kv_capacity, cuda_graphs=cuda_graphs)
+                        kv_capacity=kv_capacity, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
         except BaseException:
             self.art.close()
             raise
@@ -132,9 +135,11 @@ class Engine:
 
     def _setup(self, be, cfg: HybridConfig, weights: dict, domain: int, *, max_context: int = 4096,
                max_seqs: int = 8, page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
-               cuda_graphs: bool = True) -> None:
+               cuda_graphs: bool = True, kv_cache_dtype: str = "auto") -> None:
         if prefill_chunk < 1 or max_context < 1 or not 1 <= max_seqs <= 8:
             raise EngineError("prefill_chunk and max_context must be >= 1 and max_seqs within 1..8")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         prefill_chunk = min(prefill_chunk, max_context)   # no chunk holds more (the memory plan reserves for it)
         if cfg.family not in MODELS:
             raise EngineError(f"no model file for family {cfg.family!r} (have: {', '.join(MODELS)})")
@@ -143,10 +148,16 @@ class Engine:
         self.dtype = torch.bfloat16 if be.name == "cuda" else torch.float32
         MODELS[cfg.family].fuse_weights(cfg, weights)
         scratch = dequant_scratch_bytes(weights) + prefill_workspace_bytes(be, cfg, prefill_chunk, max_seqs)
-        num_pages = plan_kv_pages(cfg, self.device, self.dtype, max_seqs, max_context, page_size, prefill_chunk,
+        kv_dtype = kv_storage_dtype(kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = "fp8_e4m3" if kv_dtype == torch.uint8 else "auto"
+        missing = [op for op in FP8_KV_OPS if not be.has_op(op)] if kv_dtype == torch.uint8 else []
+        if missing:
+            raise EngineError(f"kv_cache_dtype {kv_cache_dtype!r} needs {', '.join(missing)}, which have no kernels "
+                              f"for this GPU ({be.device.arch}; the E4M3 conversions need sm_89 or newer): use 'auto'")
+        num_pages = plan_kv_pages(cfg, self.device, kv_dtype, max_seqs, max_context, page_size, prefill_chunk,
                                   kv_capacity, scratch)
         self.cache = SequenceCache(cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
-                                   device=self.device, dtype=self.dtype, num_pages=num_pages)
+                                   device=self.device, dtype=self.dtype, num_pages=num_pages, kv_dtype=kv_dtype)
         try:
             self.model = MODELS[cfg.family](cfg, weights, self.cache)
         except KeyError as e:

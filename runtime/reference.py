@@ -84,6 +84,40 @@ def kv_cache_write(k, v, slot_mapping, k_cache, v_cache):
     return {"k_cache": k_cache, "v_cache": v_cache}
 
 
+E4M3_MAX = 448.0
+
+
+def fp8_kv_positions(d: int, v: bool, device=None) -> torch.Tensor:
+    """Where head-dim element i sits in an FP8 cache row (kv_cache_write_fp8's kperm / vperm): blocks of 16, the
+    order inside a block chosen so that 8x8 ldmatrix loads of the byte tile give the kernels' mma fragments."""
+    i = torch.arange(d, device=device)
+    j = i % 16
+    return i - j + (2 * (j % 8) + j // 8 if v else 4 * ((j % 8) // 2) + 2 * (j // 8) + j % 2)
+
+
+def fp8_kv_codes(x, scale: float, v: bool) -> torch.Tensor:
+    """[..., D] values -> E4M3 codes (uint8; x / scale rounded to nearest even, saturated at ±448) in the cache order."""
+    codes = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    out = torch.empty_like(codes)
+    out[..., fp8_kv_positions(x.shape[-1], v, x.device)] = codes
+    return out
+
+
+def fp8_kv_values(codes, scale: float, v: bool) -> torch.Tensor:
+    """The inverse of fp8_kv_codes: fp32 values in head-dim order."""
+    return codes[..., fp8_kv_positions(codes.shape[-1], v, codes.device)].view(torch.float8_e4m3fn).float() * scale
+
+
+def kv_cache_write_fp8(k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale):
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    bs = k_cache.shape[1]
+    ok = slot_mapping >= 0
+    s = slot_mapping[ok].long()
+    k_cache[s // bs, s % bs] = fp8_kv_codes(k[ok], k_scale, v=False)
+    v_cache[s // bs, s % bs] = fp8_kv_codes(v[ok], v_scale, v=True)
+    return {"k_cache": k_cache, "v_cache": v_cache}
+
+
 def _keys_values(q, k_cache, v_cache, block_table, s: int, n: int):
     """Keys and values 0..n-1 of sequence s from the paged cache, each kv head repeated over its query heads
     (GQA): two [n, NH, D] tensors in q's dtype."""
@@ -126,6 +160,16 @@ def paged_attention_split(q, k_cache, v_cache, block_table, token_seq, positions
         po = torch.einsum("shn,nhd->shd", w, V) / sw.clamp(min=1e-30)[..., None]
         m[t], l[t], part_o[t] = mx.T, sw.T, po.transpose(0, 1)
     return {"part_o": part_o, "m": m, "l": l}
+
+
+def paged_attention_fp8(q, k_cache, v_cache, block_table, token_seq, positions, scale, k_scale, v_scale):
+    return paged_attention(q, fp8_kv_values(k_cache, k_scale, v=False), fp8_kv_values(v_cache, v_scale, v=True),
+                           block_table, token_seq, positions, scale)
+
+
+def paged_attention_split_fp8(q, k_cache, v_cache, block_table, token_seq, positions, scale, k_scale, v_scale, dims):
+    return paged_attention_split(q, fp8_kv_values(k_cache, k_scale, v=False), fp8_kv_values(v_cache, v_scale, v=True),
+                                 block_table, token_seq, positions, scale, dims)
 
 
 def merge_attn_states(part_o, m, l, gate):
@@ -321,6 +365,6 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
 
 REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
                                       linear_swiglu, attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split,
-                                      merge_attn_states, gdn_conv, gdn_gates,
+                                      kv_cache_write_fp8, paged_attention_fp8, paged_attention_split_fp8, merge_attn_states, gdn_conv, gdn_gates,
                                       gdn_delta_rule, gdn_gated_norm, gdn_decode, moe_router, moe_topk, moe_experts, moe_align, moe_sum,
                                       sigmoid_gate_add, argmax, sample)}

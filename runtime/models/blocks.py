@@ -185,6 +185,7 @@ class GatedAttention:
         p = f"layers.{layer}.attn."
         self.cfg, self.qkv, self.q_norm, self.k_norm, self.o = cfg, w[p + "qkv"], w[p + "q_norm"], w[p + "k_norm"], w[p + "o"]
         self.k_cache, self.v_cache = kv_cache
+        self.fp8 = self.k_cache.dtype == torch.uint8   # E4M3 codes (--kv-cache-dtype fp8): the _fp8 ops
 
     def __call__(self, be, x, step: Step):
         c = self.cfg
@@ -194,7 +195,8 @@ class GatedAttention:
         k, v = new(x, T, c.kv_heads, c.head_dim), new(x, T, c.kv_heads, c.head_dim)
         be.run("attn_qk_prep", qkv=qkv, positions=step.positions, q_norm=self.q_norm, k_norm=self.k_norm,
                q=q, gate=gate, k=k, v=v, theta=c.rope_theta, rotary_dim=c.rotary_dim, eps=c.eps)
-        be.run("kv_cache_write", k=k, v=v, slot_mapping=step.slot_mapping, k_cache=self.k_cache, v_cache=self.v_cache)
+        kv = "_fp8" if self.fp8 else ""
+        be.run("kv_cache_write" + kv, k=k, v=v, slot_mapping=step.slot_mapping, k_cache=self.k_cache, v_cache=self.v_cache)
         o = torch.empty_like(q)
         cache = dict(q=q, k_cache=self.k_cache, v_cache=self.v_cache, block_table=step.block_table,
                      token_seq=step.token_seq, positions=step.positions, scale=c.head_dim ** -0.5)
@@ -202,10 +204,10 @@ class GatedAttention:
             ks = attn_splits(T, c.kv_heads)
             part_o = new(x, T, c.heads, ks, c.head_dim, dtype=torch.float32)
             m, l = new(x, T, c.heads, ks, dtype=torch.float32), new(x, T, c.heads, ks, dtype=torch.float32)
-            be.run("paged_attention_split", **cache, part_o=part_o, m=m, l=l)
+            be.run("paged_attention_split" + kv, **cache, part_o=part_o, m=m, l=l)
             be.run("merge_attn_states", part_o=part_o, m=m, l=l, gate=gate, o=o)
         else:
-            be.run("paged_attention", **cache, o=o)
+            be.run("paged_attention" + kv, **cache, o=o)
             be.run("sigmoid_mul", x=o.view(T, -1), g=gate.view(T, -1), y=o.view(T, -1))
         return linear(be, o.view(T, -1), self.o)
 

@@ -283,3 +283,31 @@ def test_the_shared_expert_stream_gives_the_same_model(monkeypatch, artifact):
     assert torch.equal(runs[0][0], runs[1][0]), "logits"
     assert runs[0][1] == runs[1][1], "greedy tokens"
     assert blocks._SIDE_STREAMS, "the side stream was used"
+
+
+@pytest.mark.parametrize("kind", ["dense", "next"])
+def test_fp8_kv_cache_matches_the_reference_backend(kind):
+    """kv_cache_dtype fp8 (E4M3 codes) on the cuda engine against the reference backend with the same cache: the
+    logits of a 72-token sequence in one prefill step (the prefill route) within model_bf16 (MoE routing pinned to
+    the reference's), then 16 greedy tokens (the decode graphs and the split route), on the dense model each the
+    reference's top-1 or within 2 x atol of it (the tiny random models' top logits are near-ties at most
+    positions); lanes and pages back to the pool."""
+    from ninfer.runtime.engine import Engine
+    case = cases(kind)[2]
+    ids = case["prompt"] + case["greedy"]
+    got, want = (Engine(ORACLE / f"{kind}.ninfer", backend=b, max_context=128, max_seqs=2, prefill_chunk=128,
+                        kv_cache_dtype="fp8") for b in ("cuda", "reference"))
+    assert next(iter(got.cache.kv.values()))[0].dtype == torch.uint8 and got.graphs is not None
+    preset = got.be.manifest.tolerances["model_bf16"]
+    _, log = routed(want, ids)   # MoE (next): the reference's routing, see Routing
+    v = compare(routed(got, ids, replay=log)[0].float().cpu(), routed(want, ids)[0], preset,
+                f"{kind} fp8 KV: cuda vs reference")
+    assert v, v.detail
+    n = len(case["prompt"])
+    toks = got.generate([case["prompt"]], max_new=16)[0].generated
+    ref = want.score(case["prompt"] + toks)[n - 1:-1]   # the reference's logits for each generated position
+    gap = ref.max(-1).values - ref[torch.arange(len(toks)), torch.tensor(toks)]
+    assert len(toks) == 16
+    if kind == "dense":   # (unpinned MoE routing flips on near-ties and moves the logits far: next's tokens can't be held)
+        assert (gap <= 2 * preset["atol"]).all(), f"{kind}: top-1 gaps {gap.tolist()}"
+    assert got.cache.in_use == (0, 0) and want.cache.in_use == (0, 0)
