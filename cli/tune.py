@@ -28,7 +28,7 @@ GRID = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Ops the model runs only for decode steps (T sequences of one token): timed at those T, whatever --grid says;
 # the last point's winner owns the rest of T (models/blocks.py: flash decoding up to ATTN_SPLIT_MAX_T = 8).
 OP_GRIDS = {"gdn_decode": (1, 2, 3, 4, 5, 8, 9, 16, 32, 64), "paged_attention_split": (1, 2, 3, 4, 5, 8),
-            "merge_attn_states": (1, 2, 3, 4, 5, 8)}
+            "paged_attention_split_fp8": (1, 2, 3, 4, 5, 8), "merge_attn_states": (1, 2, 3, 4, 5, 8)}
 SKIP_FACTOR = 4
 
 
@@ -157,7 +157,8 @@ def mixer_problems(cfg, page_size: int = 16) -> list[tuple[str, dict]]:
     """The token mixers' ops with several routes: GDN's prefill conv ({C, KW}), delta rule ({HV, DK, DV}: one
     sequence of T tokens) and gated norm ({HV, DV}) and its fused decode step ({H, HK, R, DK, DV}); the attention's
     q/k norm and RoPE ({NH, NKV, D}) and its paged attention of prefill and decode with the flash-decoding pair
-    ({NH, NKV, D, BS} at the engine's page size; merge_attn_states {NH, D})."""
+    ({NH, NKV, D, BS} at the engine's page size; merge_attn_states {NH, D}), over either KV cache (the _fp8 ops:
+    --kv-cache-dtype fp8)."""
     out = []
     if not all(cfg.is_attention(i) for i in range(cfg.layers)):
         out += [("gdn_conv", {"C": cfg.conv_channels, "KW": cfg.conv_width}),
@@ -169,7 +170,8 @@ def mixer_problems(cfg, page_size: int = 16) -> list[tuple[str, dict]]:
         attn = {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim, "BS": page_size}
         out += [("attn_qk_prep", {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim}),
                 ("paged_attention", attn), ("paged_attention_split", dict(attn)),
-                ("merge_attn_states", {"NH": cfg.heads, "D": cfg.head_dim})]
+                ("merge_attn_states", {"NH": cfg.heads, "D": cfg.head_dim}),
+                ("paged_attention_fp8", dict(attn)), ("paged_attention_split_fp8", dict(attn))]
     return out
 
 
@@ -178,7 +180,7 @@ def step_dims(op: str, T: int, problem: dict, problems: list) -> dict:
     (blocks.attn_splits over the attention's kv heads; merge_attn_states's from the paged_attention problem of
     the same heads)."""
     from ninfer.runtime.models.blocks import attn_splits
-    if op == "paged_attention_split":
+    if op in ("paged_attention_split", "paged_attention_split_fp8"):
         return {"KS": attn_splits(T, problem["NKV"])}
     if op == "merge_attn_states":
         nkv = next(p["NKV"] for o, p in problems if o == "paged_attention" and p["NH"] == problem["NH"])
@@ -321,7 +323,9 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, specs
     if ops:   # a run of some ops replaces only the note of a run of the same ops
         source += f" ({', '.join(ops)})"
     everything = problems
-    problems = [(op, p) for op, p in problems if (not ops or op in ops) and (not only or label(p) in only)]
+    if absent := sorted({op for op, _ in problems if not be.has_op(op)}):   # e.g. the _fp8 ops before sm_89
+        click.echo(f"# not on this GPU ({be.device.arch}), not tuned: {', '.join(absent)}", err=True)
+    problems = [(op, p) for op, p in problems if be.has_op(op) and (not ops or op in ops) and (not only or label(p) in only)]
     if not problems:
         raise click.BadParameter(f"no problem of {source} matches --op {', '.join(ops) or '(any)'} "
                                  f"--problem {', '.join(only) or '(any)'}", param_hint="--op/--problem")

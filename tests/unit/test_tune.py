@@ -91,7 +91,8 @@ def test_model_problems_are_the_linear_shapes_and_the_norms():
         {(op, p["N"]) for op, p in got if op.startswith("linear") and "N" in p and p["K"] == 5120}
     assert {op for op, _ in got} == {"linear", "linear_q4", "linear_swiglu_q4", "add_rms_norm_zc", "rms_norm_zc", "gdn_conv", "gdn_delta_rule",
                                      "gdn_gated_norm", "gdn_decode", "attn_qk_prep", "paged_attention",
-                                     "paged_attention_split", "merge_attn_states"}
+                                     "paged_attention_split", "merge_attn_states", "paged_attention_fp8",
+                                     "paged_attention_split_fp8"}
     assert ("gdn_gated_norm", {"HV": 48, "DV": 128}) in got and ("attn_qk_prep", {"NH": 24, "NKV": 4, "D": 256}) in got
     assert ("linear_swiglu_q4", {"I": 17408, "K": 5120}) in got   # the MLP's [gate | up] with SwiGLU in the GEMM
     assert ("add_rms_norm_zc", {"H": 5120}) in got and not any(op.startswith("moe_") for op, _ in got)
@@ -109,9 +110,12 @@ def test_mixer_problems_and_the_split_counts_they_are_timed_at():
     assert ("gdn_decode", {"H": 2048, "HK": 16, "R": 2, "DK": 128, "DV": 128}) in got
     assert ("gdn_conv", {"C": 8192, "KW": 4}) in got and ("gdn_delta_rule", {"HV": 32, "DK": 128, "DV": 128}) in got
     assert ("paged_attention", attn) in got and ("paged_attention_split", attn) in got
+    assert ("paged_attention_fp8", attn) in got and ("paged_attention_split_fp8", attn) in got   # the FP8 cache's
     assert ("merge_attn_states", {"NH": 16, "D": 256}) in got
+    assert OP_GRIDS["paged_attention_split_fp8"] == OP_GRIDS["paged_attention_split"]
     for T in OP_GRIDS["paged_attention_split"]:
         assert step_dims("paged_attention_split", T, attn, got) == {"KS": attn_splits(T, 2)}
+        assert step_dims("paged_attention_split_fp8", T, attn, got) == {"KS": attn_splits(T, 2)}
         assert step_dims("merge_attn_states", T, {"NH": 16, "D": 256}, got) == {"KS": attn_splits(T, 2)}
     assert step_dims("gdn_decode", 4, got[0][1], got) == {} and step_dims("paged_attention", 4, attn, got) == {}
     assert all(g[0] == 1 and list(g) == sorted(set(g)) for g in OP_GRIDS.values())
