@@ -10,9 +10,8 @@ import torch
 
 from ninfer.runtime.reference import fp8_kv_codes
 from ninfer.runtime.tolerance import compare
-from tests.gpu.test_attention_gpu import (PAGE5, PAGE32, REAL_27B, REAL_35B, ROUTE_SCENARIOS, TINY, _check,
-                                          _table_ts, attention_inputs, layouts)
-from tests.ops_cases import gpu_kernels
+from tests.gpu.test_attention_gpu import (PAGE5, PAGE32, REAL_27B, REAL_35B, ROUTE_SCENARIOS, TINY, _check, admitted,
+                                          attention_inputs, check_split, layouts, table_cases)
 
 pytestmark = pytest.mark.gpu
 
@@ -20,17 +19,6 @@ NAN_CODE = 0x7F   # E4M3 NaN
 # (k_scale, v_scale): the default, and scales that are not powers of two
 SCALES = [(1.0, 1.0), (0.37, 2.5)]
 FP8_PROBLEMS = [REAL_27B, REAL_35B, TINY, PAGE32, (12, 3, 128, 8), PAGE5]   # the routes take D == their dmax
-
-
-def _instances(op):
-    return sorted(k.instance for k in gpu_kernels({op}))
-
-
-def _admitted(op, problems):
-    from ninfer.runtime.manifest import evaluate
-    kernels = {k.instance: k for k in gpu_kernels({op})}
-    return [(inst, p) for inst in sorted(kernels) for p in problems
-            if all(evaluate(c, dict(zip(("NH", "NKV", "D", "BS"), p), T=1)) for c in kernels[inst].constraints)]
 
 
 # ---- kv_cache_write_fp8 -------------------------------------------------------------------------------
@@ -73,25 +61,13 @@ def check_fp8(be, ref, problem, seqs, seed, scales=(1.0, 1.0), route=None):
                   dict(scale=problem[2] ** -0.5, k_scale=scales[0], v_scale=scales[1]), route=route)
 
 
-def table_cases():
-    cases = []
-    for problem in (REAL_27B, REAL_35B, TINY):
-        NH, NKV, D, BS = problem
-        for T in _table_ts("paged_attention_fp8", {"NH": NH, "NKV": NKV, "D": D, "BS": BS}, [1]):
-            for name in ("decode", "chunk", "mixed"):
-                if T == 1 and name != "decode":
-                    continue
-                cases.append((problem, T, name))
-    return cases
-
-
-@pytest.mark.parametrize("problem,T,layout", table_cases(), ids=str)
+@pytest.mark.parametrize("problem,T,layout", table_cases("paged_attention_fp8", (REAL_27B, REAL_35B, TINY)), ids=str)
 def test_paged_attention_fp8_table(be, ref, problem, T, layout):
     seqs = layouts(T, problem[3], seed=T)[layout]
     check_fp8(be, ref, problem, seqs, seed=T * 13 + problem[2], scales=SCALES[T % 2])
 
 
-@pytest.mark.parametrize("route,problem,scenario", [(i, p, s) for i, p in _admitted("paged_attention_fp8", FP8_PROBLEMS)
+@pytest.mark.parametrize("route,problem,scenario", [(i, p, s) for i, p in admitted("paged_attention_fp8", FP8_PROBLEMS)
                                                     for s in ROUTE_SCENARIOS], ids=str)
 def test_paged_attention_fp8_every_route(be, ref, route, problem, scenario):
     seqs = ROUTE_SCENARIOS[scenario]
@@ -108,40 +84,12 @@ def test_paged_attention_fp8_long_chunk(be, ref):
 # ---- paged_attention_split_fp8 + merge_attn_states ----------------------------------------------------
 
 def check_split_fp8(be, ref, problem, seqs, ks, seed, scales, route=None):
-    """As test_attention_gpu.check_split: the same empty splits, m / l / O within attention_bf16 elsewhere, then
-    merge_attn_states on the GPU partials against the reference paged_attention_fp8 times sigmoid(gate)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    ts = fp8_inputs(problem, seqs, gen, scales)
-    o = ts.pop("o")
-    T, NH, D = ts["q"].shape
-    nan = lambda *s: torch.full(s, float("nan"), device="cuda")  # noqa: E731
-    got = dict(part_o=nan(T, NH, ks, D), m=nan(T, NH, ks), l=nan(T, NH, ks))
-    want = {k: nan(*v.shape) for k, v in got.items()}
-    params = dict(scale=D ** -0.5, k_scale=scales[0], v_scale=scales[1])
-    plan = be.plan("paged_attention_split_fp8", route=route, **{k: v.clone() for k, v in ts.items()}, **got, **params)
-    plan()
-    torch.cuda.synchronize()
-    ref.run("paged_attention_split_fp8", **{k: v.clone() for k, v in ts.items()}, **want, **params)
-    what = f"via {plan.kernel.instance} KS={ks} seqs={seqs} scales={scales}"
-    empty = want["m"] == float("-inf")
-    assert torch.equal(got["m"] == float("-inf"), empty), f"empty splits differ {what}"
-    assert not got["l"][empty].any() and not got["part_o"][empty].any(), f"an empty split has l or O != 0 {what}"
-    preset = be.manifest.tolerances["attention_bf16"]
-    for name in ("m", "l", "part_o"):
-        v = compare(got[name][~empty], want[name][~empty], preset, f"paged_attention_split_fp8.{name} {what}")
-        assert v, v.detail
-    gate = torch.randn(T, NH, D, device="cuda", generator=gen).bfloat16()
-    be.run("merge_attn_states", **got, gate=gate, o=o)
-    torch.cuda.synchronize()
-    attn = torch.empty_like(o)
-    ref.run("paged_attention_fp8", **ts, o=attn, **params)
-    expect = (attn.float() * torch.sigmoid(gate.float())).bfloat16()
-    assert (v := compare(o, expect, preset, f"split + merge {what}")), v.detail
-    return plan.kernel.instance
+    return check_split(be, ref, problem, seqs, ks, seed, route, op="paged_attention_split_fp8",
+                       make=lambda p, s, g: fp8_inputs(p, s, g, scales), extra=dict(k_scale=scales[0], v_scale=scales[1]))
 
 
 @pytest.mark.parametrize("route,problem,scenario,ks", [
-    (i, p, s, ks) for i, p in _admitted("paged_attention_split_fp8", FP8_PROBLEMS)
+    (i, p, s, ks) for i, p in admitted("paged_attention_split_fp8", FP8_PROBLEMS)
     for s in ("decode_1_8k", "decode_batch", "verify", "mixed") for ks in (1, 7, 64)], ids=str)
 def test_paged_attention_split_fp8_every_route(be, ref, route, problem, scenario, ks):
     seqs = ROUTE_SCENARIOS[scenario]

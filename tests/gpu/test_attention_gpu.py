@@ -173,11 +173,11 @@ def layouts(T, BS, seed):
     return {"decode": decode, "chunk": chunk, "mixed": mixed}
 
 
-def table_cases():
+def table_cases(op="paged_attention", problems=ATTN_PROBLEMS):
     cases = []
-    for problem in ATTN_PROBLEMS:
+    for problem in problems:
         NH, NKV, D, BS = problem
-        for T in _table_ts("paged_attention", {"NH": NH, "NKV": NKV, "D": D, "BS": BS}, [1]):
+        for T in _table_ts(op, {"NH": NH, "NKV": NKV, "D": D, "BS": BS}, [1]):
             for name in ("decode", "chunk", "mixed"):
                 if T == 1 and name != "decode":
                     continue
@@ -202,12 +202,12 @@ ROUTE_SCENARIOS = {
 }
 
 
-def admitted(op):
+def admitted(op, problems=(REAL_27B, REAL_35B, TINY, PAGE32, PAGE5)):
     """(route instance, problem) for every route instance of op and every problem its constraints admit (e.g.
     the dfix routes: D == 256 only)."""
     from ninfer.runtime.manifest import evaluate
     kernels = {k.instance: k for k in gpu_kernels({op})}
-    return [(inst, problem) for inst in sorted(kernels) for problem in (REAL_27B, REAL_35B, TINY, PAGE32, PAGE5)
+    return [(inst, problem) for inst in sorted(kernels) for problem in problems
             if all(evaluate(c, dict(zip(("NH", "NKV", "D", "BS"), problem), T=1)) for c in kernels[inst].constraints)]
 
 
@@ -258,35 +258,36 @@ def split_cases():
             for name in ("decode_1_8k", "decode_batch", "verify", "mixed") for ks in (1, 7, 64)]
 
 
-def check_split(be, ref, problem, seqs, ks, seed, route=None):
-    """paged_attention_split (route or table) against the reference partials: the same empty splits (m = -inf,
-    l = 0, O = 0), m / l / O within attention_bf16 elsewhere; then merge_attn_states on the GPU partials
-    against the reference paged_attention times sigmoid(gate)."""
+def check_split(be, ref, problem, seqs, ks, seed, route=None, op="paged_attention_split", make=attention_inputs,
+                extra=None):
+    """op (paged_attention_split, or its _fp8 form with make's caches and extra's scales; route or table) against
+    the reference partials: the same empty splits (m = -inf, l = 0, O = 0), m / l / O within attention_bf16
+    elsewhere; then merge_attn_states on the GPU partials against the reference attention times sigmoid(gate)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    ts = attention_inputs(problem, seqs, gen)
+    ts = make(problem, seqs, gen)
     o = ts.pop("o")
     T, NH, D = ts["q"].shape
     nan = lambda *s: torch.full(s, float("nan"), device="cuda")  # noqa: E731
     got = dict(part_o=nan(T, NH, ks, D), m=nan(T, NH, ks), l=nan(T, NH, ks))
     want = {k: nan(*v.shape) for k, v in got.items()}
-    scale = D ** -0.5
-    plan = be.plan("paged_attention_split", route=route, **{k: v.clone() for k, v in ts.items()}, **got, scale=scale)
+    params = dict(scale=D ** -0.5, **(extra or {}))
+    plan = be.plan(op, route=route, **{k: v.clone() for k, v in ts.items()}, **got, **params)
     plan()
     torch.cuda.synchronize()
-    ref.run("paged_attention_split", **{k: v.clone() for k, v in ts.items()}, **want, scale=scale)
-    what = f"via {plan.kernel.instance} KS={ks} seqs={seqs}"
+    ref.run(op, **{k: v.clone() for k, v in ts.items()}, **want, **params)
+    what = f"via {plan.kernel.instance} KS={ks} seqs={seqs} {extra or ''}"
     empty = want["m"] == float("-inf")
     assert torch.equal(got["m"] == float("-inf"), empty), f"empty splits differ {what}"
     assert not got["l"][empty].any() and not got["part_o"][empty].any(), f"an empty split has l or O != 0 {what}"
     preset = be.manifest.tolerances["attention_bf16"]
     for name in ("m", "l", "part_o"):
-        v = compare(got[name][~empty], want[name][~empty], preset, f"paged_attention_split.{name} {what}")
+        v = compare(got[name][~empty], want[name][~empty], preset, f"{op}.{name} {what}")
         assert v, v.detail
     gate = torch.randn(T, NH, D, device="cuda", generator=gen).bfloat16()
     be.run("merge_attn_states", **got, gate=gate, o=o)
     torch.cuda.synchronize()
     attn = torch.empty_like(o)
-    ref.run("paged_attention", **ts, o=attn, scale=scale)
+    ref.run(op.replace("_split", ""), **ts, o=attn, **params)
     expect = (attn.float() * torch.sigmoid(gate.float())).bfloat16()
     assert (v := compare(o, expect, preset, f"split + merge {what}")), v.detail
     return plan.kernel.instance
