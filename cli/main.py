@@ -204,10 +204,12 @@ def memory_report(engine) -> dict:
               help="A jinja chat template to use instead of the artifact's.")
 @click.option("--backend", type=click.Choice(["auto", "cuda", "reference"]), default="auto", show_default=True,
               help="auto: cuda when a GPU is present, else the reference (torch, CPU) backend.")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto", show_default=True,
+              help="KV cache storage: auto = the model's dtype; fp8 = E4M3 codes (half the bytes; sm_89+ on a GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, finish reason, timings).")
 def main(artifact, prompt, messages_file, max_new, max_context, prefill_chunk, greedy, temperature, top_k, top_p,
          min_p, presence_penalty, frequency_penalty, seed, stops, stop_token_ids, no_thinking, raw_output,
-         template_file, backend, as_json):
+         template_file, backend, kv_cache_dtype, as_json):
     """Generate a reply from the model in ARTIFACT (.ninfer)."""
     if (prompt is None) == (messages_file is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --messages FILE")
@@ -283,7 +285,7 @@ def main(artifact, prompt, messages_file, max_new, max_context, prefill_chunk, g
         t_load = time.perf_counter()
         try:
             engine = _engine_class()(artifact, backend=backend, max_context=max_context, max_seqs=1,
-                                     prefill_chunk=prefill_chunk)
+                                     prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype)
         except (ArtifactError, ConfigError, EngineError, OSError) as e:
             fail(str(e))
         except (RuntimeError, ValueError) as e:   # e.g. --backend cuda without a usable GPU

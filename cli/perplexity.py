@@ -73,14 +73,15 @@ def read_ids(text_file: Path | None, ids_file: Path | None, artifact: Path) -> l
         fail(str(e))
 
 
-def open_engine(path: Path, backend: str, window: int):
+def open_engine(path: Path, backend: str, window: int, kv_cache_dtype: str = "auto"):
     from ninfer.runtime.artifact import ArtifactError
     from ninfer.runtime.engine import Engine, EngineError
     from ninfer.runtime.models.config import ConfigError
     if not path.exists():
         fail(f"{path}: no such file")
     try:
-        return Engine(path, backend=backend, max_context=window, max_seqs=1, prefill_chunk=min(window, 1024))
+        return Engine(path, backend=backend, max_context=window, max_seqs=1, prefill_chunk=min(window, 1024),
+                      kv_cache_dtype=kv_cache_dtype)
     except (ArtifactError, ConfigError, EngineError, OSError, KeyError) as e:
         fail(f"{path}: {e}")
     except RuntimeError as e:
@@ -182,6 +183,9 @@ def _common(f):
                      help="Start of one window to the next (default: --window, non-overlapping)."),
         click.option("--backend", type=click.Choice(["auto", "cuda", "reference"]), default="auto",
                      show_default=True),
+        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto", show_default=True,
+                     help="KV cache storage (as ninfer-serve's); in `kl`, QUANT's only: `kl M M --kv-cache-dtype fp8` "
+                          "measures the FP8 cache against the model-dtype one."),
         click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object."),
     ]):
         f = opt(f)
@@ -191,12 +195,12 @@ def _common(f):
 @main.command("ppl")
 @click.argument("artifact", type=click.Path(dir_okay=False, path_type=Path))
 @_common
-def ppl_cmd(artifact, text_file, ids_file, window, stride, backend, as_json):
+def ppl_cmd(artifact, text_file, ids_file, window, stride, backend, kv_cache_dtype, as_json):
     """(default) Token-weighted perplexity of ARTIFACT over fixed windows of the text;
     `ninfer-perplexity ARTIFACT ...` is short for `ninfer-perplexity ppl ARTIFACT ...`."""
     ids = read_ids(text_file, ids_file, artifact)
     stride = _check_window(ids, window, stride)
-    engine = open_engine(artifact, backend, window)
+    engine = open_engine(artifact, backend, window, kv_cache_dtype)
     try:
         t0 = time.perf_counter()
         res = perplexity(engine, ids, window, stride)
@@ -216,13 +220,13 @@ def ppl_cmd(artifact, text_file, ids_file, window, stride, backend, as_json):
 @click.argument("quant", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("base", type=click.Path(dir_okay=False, path_type=Path))
 @_common
-def kl_cmd(quant, base, text_file, ids_file, window, stride, backend, as_json):
+def kl_cmd(quant, base, text_file, ids_file, window, stride, backend, kv_cache_dtype, as_json):
     """Token-weighted mean KL(BASE || QUANT) of next-token distributions, and top-1 agreement."""
     ids = read_ids(text_file, ids_file, base)
     stride = _check_window(ids, window, stride)
     eb = open_engine(base, backend, window)
     try:
-        eq = open_engine(quant, backend, window)
+        eq = open_engine(quant, backend, window, kv_cache_dtype)
         try:
             t0 = time.perf_counter()
             res = kl_divergence(eq, eb, ids, window, stride)
@@ -231,7 +235,7 @@ def kl_cmd(quant, base, text_file, ids_file, window, stride, backend, as_json):
             eq.close()
     finally:
         eb.close()
-    res.update(quant=str(quant), base=str(base))
+    res.update(quant=str(quant), base=str(base), quant_kv_cache_dtype=kv_cache_dtype)
     if as_json:
         click.echo(json.dumps(res))
         return

@@ -115,6 +115,19 @@ def test_greedy_json_equals_transformers(tiny):
     assert err == ""     # --json: nothing else on either stream for a non-demo model
 
 
+def test_fp8_kv_cache_option(tiny):
+    """--kv-cache-dtype fp8: the cache holds E4M3 codes (a quarter of the fp32 reference cache's bytes); greedy
+    tokens come out; an unknown value is a usage error."""
+    _, _, art = tiny
+    args = ("--raw-output", "--prompt", TINY_PROMPT, "--greedy", "--max-new", 8, "--backend", "reference")
+    auto, _ = run_json(art, *args)
+    fp8, _ = run_json(art, *args, "--kv-cache-dtype", "fp8")
+    assert len(fp8["token_ids"]) == len(auto["token_ids"]) > 0
+    assert fp8["memory"]["cache_bytes"] < auto["memory"]["cache_bytes"]
+    r = ninfer(art, "--prompt", "x", "--kv-cache-dtype", "fp16", check_rc=2)
+    assert "'fp16' is not one of 'auto', 'fp8', 'fp8_e4m3'" in r.stderr
+
+
 def test_chat_prompt_uses_the_artifact_template_and_stop_token_ids(tiny):
     hf, d, art = tiny
     with open_artifact(art) as a:

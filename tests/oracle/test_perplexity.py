@@ -98,6 +98,18 @@ def test_kl_of_an_artifact_against_itself_is_zero(tiny):
     assert got["perplexity_quant"] == got["perplexity_base"]
 
 
+def test_kl_of_the_fp8_kv_cache_against_the_model_dtype_cache(tiny):
+    """`kl M M --kv-cache-dtype fp8`: the same weights, QUANT's K and V stored as E4M3 codes: a small positive KL,
+    the base's perplexity unchanged (its cache is the model dtype's)."""
+    _, _, art, _, f, _ = tiny
+    same = json.loads(ppl_cli("kl", art, art, "--ids", f, "--window", 32, "--backend", "reference", "--json").stdout)
+    got = json.loads(ppl_cli("kl", art, art, "--ids", f, "--window", 32, "--backend", "reference", "--json",
+                             "--kv-cache-dtype", "fp8").stdout)
+    assert got["quant_kv_cache_dtype"] == "fp8" and got["perplexity_base"] == same["perplexity_base"]
+    assert 0 < got["mean_kl"] < 1e-3 and got["perplexity_quant"] != got["perplexity_base"]   # measured 1.7e-5
+    assert got["top1_agreement"] > 0.9
+
+
 def test_kl_q4_against_fp32_is_small_and_positive(tiny):
     from click.testing import CliRunner
     from ninfer.cli.perplexity import main
