@@ -45,6 +45,10 @@ class _SchedulerCollector:
         yield g("ninfer_kv_pages_used", "KV pages held by requests.", value=snap["kv_pages_used"])
         yield g("ninfer_kv_pages_total", "KV pages in the pool.", value=snap["kv_pages_total"])
         yield g("ninfer_pending_requests", "Requests waiting for a lane.", value=self.s.pending)
+        info = g("ninfer_cache_config_info", "The KV cache's configuration (as vLLM's cache_config_info): value 1.",
+                 labels=["kv_cache_dtype", "page_size", "num_pages"])
+        info.add_metric([self.s.engine.kv_cache_dtype, str(self.s.page_size), str(snap["kv_pages_total"])], 1)
+        yield info
 
 
 class Metrics:

@@ -34,6 +34,9 @@ def test_metrics_parse_and_count(server):
                  "llamacpp:requests_deferred", "llamacpp:kv_cache_usage_ratio", "ninfer_lanes_busy",
                  "ninfer_kv_pages_used", "ninfer_kv_pages_total", "ninfer_decode_steps_total"):
         assert (name, ()) in before, name
+    info = [labels for name, labels in before if name == "ninfer_cache_config_info"]
+    assert info == [(("kv_cache_dtype", "auto"), ("num_pages", str(int(before[("ninfer_kv_pages_total", ())]))),
+                     ("page_size", "16"))]
     msgs = [{"role": "user", "content": "Count to three."}]
     r = server.openai().chat.completions.create(model="ninfer-demo", messages=msgs, max_tokens=5, temperature=0)
     server.wait_idle()
