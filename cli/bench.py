@@ -18,6 +18,7 @@ import click
 
 from ninfer.cli.bench_inputs import GDN_K_HEADS, SAMPLING, by_name, make_inputs, op_bytes, op_flops, timing_sets
 from ninfer.cli.bench_serve import serve_cmd
+from ninfer.runtime.kv_dtype import KV_CACHE_DTYPES, kv_element_bytes
 
 MOE_35B = {"H": 2048, "E": 256, "I": 512, "K": 8}
 # (op, problem dims, T values) at the Qwen3.6-27B shapes (hidden 5120, MLP 17408, 24x256 q+gate heads).
@@ -328,7 +329,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
     ctx = max(max(prompts), decode_prompt + new_tokens) + 16
     eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
                               max_seqs=max(concurrency), prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype)
-    kv_bytes = 1 if eng.kv_cache_dtype == "fp8_e4m3" else 2
+    kv_bytes = kv_element_bytes(kv_cache_dtype)
     dev = eng.be.device
     click.echo(f"# {shape} ({fmt} synthetic weights) on {dev.name}; ceilings measured: copy {copy_gbs:,.0f} GB/s, "
                f"bf16 GEMM {gemm_tflops:,.0f} TFLOP/s; KV pages {eng.cache.num_pages} x {eng.cache.page_size} "
@@ -483,7 +484,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
 @click.option("--sampling", type=click.Choice(list(SAMPLING)), default="greedy", show_default=True,
               help="decode's token choice: greedy, qwen (temperature 0.7, top-k 20, top-p 0.95) or pure "
               "(temperature 1, every id kept)")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto", show_default=True,
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="KV cache storage (as ninfer-serve's): fp8 = E4M3 codes; the roofline counts its bytes")
 @click.option("--json", "json_out", type=click.Path())
 def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, prefill_chunk, prefill_reps,

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import click
 
+from ninfer.runtime.kv_dtype import KV_CACHE_DTYPES, kv_element_bytes
+
 # Common English words that the Qwen tokenizer keeps whole (" the", " river", ...): prompts of about n tokens.
 WORDS = ("the of and to in is was for on with as by at from that this it he she they we you are were be "
          "been have has had do does did not but or if then so than when where which who what how all any "
@@ -331,7 +333,7 @@ def _ints(text: str, what: str, lo: int = 1, hi: int | None = None) -> list[int]
 @click.option("--resources-from", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="artifact whose tokenizer and chat template the synthetic one copies (default: the demo model)")
 @click.option("--startup-timeout", type=click.IntRange(1), default=1800, show_default=True, help="seconds")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto", show_default=True,
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="ninfer-serve's KV cache storage (fp8: E4M3 codes; the roofline counts their bytes)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tokens, backend, peer, workdir,
@@ -366,7 +368,7 @@ def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tok
     with Server(artifact, backend=backend, max_concurrency=max(levels), max_context=max_context,
                 startup_timeout=startup_timeout, kv_cache_dtype=kv_cache_dtype) as srv:
         ours = asyncio.run(drive(srv.url, prompt_lens, levels, decode_prompt, max_tokens))
-    add_rooflines(ours, cfg, fmt, ceilings, 2 if kv_cache_dtype == "auto" else 1)
+    add_rooflines(ours, cfg, fmt, ceilings, kv_element_bytes(kv_cache_dtype))
     result = {"artifact": str(artifact), "weights": fmt, "kv_cache_dtype": kv_cache_dtype,
               "backend": "cuda" if gpu else "reference",
               "device": torch.cuda.get_device_name() if gpu else "cpu",

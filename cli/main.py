@@ -22,6 +22,7 @@ import click
 from ninfer.runtime.artifact import ArtifactError, open_artifact
 from ninfer.runtime.chat import (ChatError, load_template, normalize_messages, prompt_opens_reasoning,
                                  render, ReasoningSplitter)
+from ninfer.runtime.kv_dtype import KV_CACHE_DTYPES
 from ninfer.runtime.tokenizer import StopStrings, Tokenizer, TokenizerError
 
 MiB = 1 << 20
@@ -204,7 +205,7 @@ def memory_report(engine) -> dict:
               help="A jinja chat template to use instead of the artifact's.")
 @click.option("--backend", type=click.Choice(["auto", "cuda", "reference"]), default="auto", show_default=True,
               help="auto: cuda when a GPU is present, else the reference (torch, CPU) backend.")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto", show_default=True,
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="KV cache storage: auto = the model's dtype; fp8 = E4M3 codes (half the bytes; sm_89+ on a GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, finish reason, timings).")
 def main(artifact, prompt, messages_file, max_new, max_context, prefill_chunk, greedy, temperature, top_k, top_p,

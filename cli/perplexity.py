@@ -26,6 +26,7 @@ from pathlib import Path
 import click
 
 from ninfer.cli.main import fail
+from ninfer.runtime.kv_dtype import KV_CACHE_DTYPES
 
 
 def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -183,7 +184,7 @@ def _common(f):
                      help="Start of one window to the next (default: --window, non-overlapping)."),
         click.option("--backend", type=click.Choice(["auto", "cuda", "reference"]), default="auto",
                      show_default=True),
-        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto", show_default=True,
+        click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
                      help="KV cache storage (as ninfer-serve's); in `kl`, QUANT's only: `kl M M --kv-cache-dtype fp8` "
                           "measures the FP8 cache against the model-dtype one."),
         click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object."),

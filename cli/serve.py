@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from ninfer.runtime.kv_dtype import KV_CACHE_DTYPES
 from ninfer.runtime.paths import ROOT
 
 DEMO_DIR = ROOT / "build" / "demo"
@@ -82,7 +83,7 @@ def shout(text: str) -> None:
 @click.option("--prefill-chunk-decoding", type=click.IntRange(1), default=512, show_default=True,
               help="Prompt tokens per prefill step while other requests decode (long prompts interleave with "
                    "their decode steps); at most --prefill-chunk.")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default="auto", show_default=True,
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="KV cache storage: auto = the model's dtype (bf16); fp8 = E4M3, half the bytes (twice the context "
                    "in the same memory, faster long-context decode; sm_89+).")
 def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_context, max_pending_requests,

@@ -15,14 +15,8 @@ class CapacityError(RuntimeError):
     """The request cannot fit the planned memory (context too long, or no free lane/pages)."""
 
 
-# --kv-cache-dtype values (vLLM's names): "auto" keeps K and V in the model's dtype; "fp8" / "fp8_e4m3" stores E4M3
-# codes (one byte an element, scale 1: the _fp8 attention ops), which halves the cache's bytes and doubles the
-# context a pool holds.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-
-
 def kv_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype the KV pool of a KV_CACHE_DTYPES value is allocated in (uint8 for E4M3 codes)."""
+    """The torch dtype the KV pool of a --kv-cache-dtype value (kv_dtype.py) is allocated in (uint8: E4M3 codes)."""
     return dtype if kv_cache_dtype == "auto" else torch.uint8
 
 
@@ -93,7 +87,7 @@ def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_contex
     if torch.device(device).type != "cuda":
         return want
     attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
-    page_bytes = 2 * attn_layers * page_size * cfg.kv_heads * cfg.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+    page_bytes = 2 * attn_layers * page_size * cfg.kv_heads * cfg.head_dim * kv_dtype.itemsize
     gdn_bytes = (cfg.layers - attn_layers) * (max_seqs + 1) * (
         cfg.v_heads * cfg.k_dim * cfg.v_dim * 4 + cfg.conv_channels * (cfg.conv_width - 1) * 2)
     free, _ = torch.cuda.mem_get_info(device)

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .artifact import open_artifact
-from .cache import KV_CACHE_DTYPES, CapacityError, SequenceCache, kv_storage_dtype, plan_kv_pages
+from .cache import CapacityError, SequenceCache, kv_storage_dtype, plan_kv_pages
 from .decode_graph import DecodeGraphs, count_tokens
 from .dispatch import backend as make_backend
+from .kv_dtype import KV_CACHE_DTYPES
 from .models import MODELS
 from .models.blocks import Step, dequant_scratch_bytes, prefill_workspace_bytes
 from .models.config import HybridConfig, parse_config
@@ -195,18 +196,19 @@ class Engine:
         ids = torch.empty(logits.shape[0], dtype=torch.int32, device=self.device)
         f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=self.device)  # noqa: E731
         i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)  # noqa: E731
+        slots = i32([s.slot for s in seqs])
         if all(s.sampling.temperature <= 0 and not s.sampling.presence_penalty and not s.sampling.frequency_penalty
                for s in seqs):
             self.be.run("argmax", logits=logits, ids=ids, domain=self.domain)
         else:
             sp = [s.sampling for s in seqs]
-            self.be.run("sample", logits=logits, counts=self._counts[[s.slot for s in seqs]],
+            self.be.run("sample", logits=logits, counts=self._counts.index_select(0, slots),
                         temperature=f32([p.temperature for p in sp]), top_k=i32([p.top_k for p in sp]),
                         top_p=f32([p.top_p for p in sp]), min_p=f32([p.min_p for p in sp]),
                         presence=f32([p.presence_penalty for p in sp]), frequency=f32([p.frequency_penalty for p in sp]),
                         seed=i32([((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for s in seqs]),  # 32-bit
                         counter=i32([s.n_generated for s in seqs]), ids=ids, domain=self.domain)
-        count_tokens(self._counts, i32([s.slot for s in seqs]), ids)   # as the decode graph does
+        count_tokens(self._counts, slots, ids)   # as the decode graph does
         return ids.tolist()
 
     def _accept(self, seq: Sequence, token: int) -> None:
