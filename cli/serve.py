@@ -86,10 +86,14 @@ def shout(text: str) -> None:
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="KV cache storage: auto = the model's dtype (bf16); fp8 = E4M3, half the bytes (twice the context "
                    "in the same memory, faster long-context decode; sm_89+).")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="Keep each finished request's lane (its prompt's KV pages and a checkpoint of its GDN state at the "
+                   "prompt's end) so that a prompt extending it, as a chat's next turn does, prefills only the rest. "
+                   "The checkpoints take one more GDN state per lane of GPU memory.")
 def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_context, max_pending_requests,
          pending_timeout_ms, max_request_mib, default_max_tokens, request_log_jsonl, request_log_max_mib,
          request_log_keep, tolerant_tool_calls, chat_template, backend, prefill_chunk, prefill_chunk_decoding,
-         kv_cache_dtype):
+         kv_cache_dtype, enable_prefix_caching):
     """Serve ARTIFACT (a .ninfer file) over OpenAI Chat Completions, OpenAI Responses and Anthropic Messages."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if demo == (artifact is not None):
@@ -111,7 +115,7 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
                           log_path=request_log_jsonl, log_max_mib=request_log_max_mib, log_keep=request_log_keep,
                           tolerant=tolerant_tool_calls, template=chat_template, backend=backend,
                           prefill_chunk=prefill_chunk, prefill_chunk_decoding=prefill_chunk_decoding,
-                          kv_cache_dtype=kv_cache_dtype, demo=demo))
+                          kv_cache_dtype=kv_cache_dtype, prefix_caching=enable_prefix_caching, demo=demo))
     except KeyboardInterrupt:
         pass
 
@@ -119,7 +123,7 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
 def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending, pending_timeout_ms,
                 max_request_mib=64.0, default_max_tokens=8192, log_path=None, log_max_mib=64.0, log_keep=3,
                 tolerant=False, template=None, backend="auto", prefill_chunk=4096, prefill_chunk_decoding=512,
-                kv_cache_dtype="auto", api_key=None, engine=None):
+                kv_cache_dtype="auto", prefix_caching=True, api_key=None, engine=None):
     """Engine, scheduler and server state (also what tests start in-process)."""
     from ninfer.runtime.artifact import ArtifactError
     from ninfer.runtime.chat import ChatError
@@ -134,7 +138,7 @@ def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending
     try:
         if engine is None:
             engine = Engine(artifact, backend=backend, max_context=max_context, max_seqs=max_concurrency,
-                            prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype)
+                            prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching)
         text = ModelText(engine.art, template)
     except (ArtifactError, EngineError, TokenizerError, ChatError, OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
@@ -155,13 +159,13 @@ async def serve(artifact, *, host, port, demo=False, api_key=None, **options) ->
     state.request_log.write("server_start", artifact=str(artifact), model_id=state.model_id, host=host, port=bound,
                             backend=engine.be.name, max_concurrency=engine.cache.max_seqs,
                             max_context=state.max_context, kv_pages=engine.cache.num_pages,
-                            kv_cache_dtype=engine.kv_cache_dtype,
+                            kv_cache_dtype=engine.kv_cache_dtype, prefix_caching=engine.cache.prefix_caching,
                             prefill_chunk=engine.prefill_chunk,
                             prefill_chunk_decoding=state.scheduler.prefill_chunk_decoding, auth=bool(api_key), demo=demo,
                             argv=_redacted(sys.argv))
     click.echo(f"ninfer-serve: {state.model_id} on http://{host}:{bound}  (backend {engine.be.name}, "
                f"{engine.cache.max_seqs} lanes, context {state.max_context}, {engine.cache.num_pages} KV pages "
-               f"(kv cache {engine.kv_cache_dtype}), "
+               f"(kv cache {engine.kv_cache_dtype}, prefix caching {'on' if engine.cache.prefix_caching else 'off'}), "
                f"ready in {time.perf_counter() - t0:.1f} s)", err=True)
     click.echo(f"  OpenAI:    http://{host}:{bound}/v1  (chat/completions, responses, models)\n"
                f"  Anthropic: http://{host}:{bound}  (v1/messages, v1/messages/count_tokens)\n"

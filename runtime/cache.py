@@ -3,8 +3,16 @@ by all sequences through per-sequence page lists) and a GDN conv/recurrent state
 
 A request that could never fit is refused before it starts; pages and slots go back to the pool when
 a sequence ends, whatever ended it.
+
+Prefix caching (optional): the GDN state cannot be rewound, so each lane keeps a checkpoint of its state at
+the end of its prompt. A finished sequence's lane stays retained with that checkpoint and the KV pages of its
+prompt; a later prompt that extends the retained prompt takes the lane over and prefills only the rest (a
+chat's next turn: the template renders turn n + 1 as turn n's prompt plus the answer and the new message).
+Retained lanes and pages are given back, oldest first, whenever a lane or pages are wanted.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -20,9 +28,17 @@ def kv_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if kv_cache_dtype == "auto" else torch.uint8
 
 
+@dataclass
+class Retained:
+    """A finished sequence's lane kept for prefix caching: its slot's checkpoint holds the state after `tokens`."""
+    tokens: list[int]
+    pages: list[int]
+
+
 class SequenceCache:
     def __init__(self, cfg: HybridConfig, *, max_seqs: int, max_context: int, page_size: int, device,
-                 dtype: torch.dtype, num_pages: int | None = None, kv_dtype: torch.dtype | None = None):
+                 dtype: torch.dtype, num_pages: int | None = None, kv_dtype: torch.dtype | None = None,
+                 prefix_caching: bool = False):
         self.cfg, self.page_size, self.max_context, self.max_seqs = cfg, page_size, max_context, max_seqs
         self.pages_per_seq = -(-max_context // page_size)
         self.num_pages = num_pages or max_seqs * self.pages_per_seq
@@ -34,11 +50,17 @@ class SequenceCache:
         self.gdn = {i: (torch.zeros(max_seqs + 1, cfg.conv_channels, cfg.conv_width - 1, dtype=dtype, device=device),
                         torch.zeros(max_seqs + 1, cfg.v_heads, cfg.k_dim, cfg.v_dim, dtype=torch.float32, device=device))
                     for i in range(cfg.layers) if not cfg.is_attention(i)}
+        # prefix caching: each lane's state at the end of its prompt, and the retained lanes (oldest first)
+        self.prefix_caching = prefix_caching
+        self.checkpoints = {i: (conv[:max_seqs].clone(), state[:max_seqs].clone())
+                            for i, (conv, state) in self.gdn.items()} if prefix_caching else {}
+        self.retained: dict[int, Retained] = {}
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
         self.free_slots = list(range(max_seqs - 1, -1, -1))
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in (*self.kv.values(), *self.gdn.values()) for t in pair)
+        return sum(t.numel() * t.element_size()
+                   for pair in (*self.kv.values(), *self.gdn.values(), *self.checkpoints.values()) for t in pair)
 
     def admit(self, total_tokens: int) -> None:
         """Refuse up front what could never fit, whatever else is running."""
@@ -48,6 +70,8 @@ class SequenceCache:
             raise CapacityError(f"the request needs {-(-total_tokens // self.page_size)} KV pages; the pool has {self.num_pages}")
 
     def open_slot(self) -> int:
+        if not self.free_slots and self.retained:
+            self._evict()
         if not self.free_slots:
             raise CapacityError(f"all {self.max_seqs} sequence lanes are busy")
         slot = self.free_slots.pop()
@@ -59,6 +83,8 @@ class SequenceCache:
     def grow(self, pages: list[int], tokens: int) -> None:
         """Make `pages` cover `tokens` positions, taking pages from the pool."""
         need = -(-tokens // self.page_size) - len(pages)
+        while need > len(self.free_pages) and self.retained:
+            self._evict()
         if need > len(self.free_pages):
             raise CapacityError(f"out of KV pages: need {need} more, {len(self.free_pages)} free")
         for _ in range(max(need, 0)):
@@ -70,14 +96,58 @@ class SequenceCache:
         self.free_pages.extend(reversed(pages))
         pages.clear()
 
+    # -- prefix caching --------------------------------------------------------------------------------
+    def checkpoint(self, slot: int) -> None:
+        """Keep the slot's state (the end of its prompt) for prefix caching."""
+        for i, (conv, state) in self.gdn.items():
+            self.checkpoints[i][0][slot].copy_(conv[slot])
+            self.checkpoints[i][1][slot].copy_(state[slot])
+
+    def retain(self, slot: int, prompt: list[int], pages: list[int]) -> None:
+        """Keep a finished sequence's lane (checkpointed at the end of `prompt`) and its prompt's KV pages; the
+        pages past the prompt go back to the pool."""
+        keep = -(-len(prompt) // self.page_size)
+        self.free_pages.extend(reversed(pages[keep:]))
+        self.retained[slot] = Retained(list(prompt), pages[:keep])
+        pages.clear()
+
+    def take_prefix(self, prompt: list[int]) -> tuple[int, list[int], int] | None:
+        """The retained lane with the longest prompt that `prompt` extends (by at least one token, whose logits
+        the caller needs): (slot, its KV pages, the tokens they hold), its state restored from the checkpoint;
+        None when there is none."""
+        best = max((s for s, r in self.retained.items()
+                    if len(r.tokens) < len(prompt) and prompt[:len(r.tokens)] == r.tokens),
+                   key=lambda s: len(self.retained[s].tokens), default=None)
+        if best is None:
+            return None
+        r = self.retained.pop(best)
+        for i, (conv, state) in self.gdn.items():
+            conv[best].copy_(self.checkpoints[i][0][best])
+            state[best].copy_(self.checkpoints[i][1][best])
+        return best, r.pages, len(r.tokens)
+
+    def _evict(self) -> None:
+        slot, r = next(iter(self.retained.items()))
+        del self.retained[slot]
+        self.release(slot, r.pages)
+
+    @property
+    def available_pages(self) -> int:
+        """Pages free now or held by retained lanes (given back on demand)."""
+        return len(self.free_pages) + sum(len(r.pages) for r in self.retained.values())
+
     @property
     def in_use(self) -> tuple[int, int]:
-        """(busy lanes, used pages): both return to 0 when every sequence has ended."""
-        return self.max_seqs - len(self.free_slots), self.num_pages - len(self.free_pages)
+        """(busy lanes, used pages) of running sequences: both return to 0 when every sequence has ended (retained
+        lanes and their pages are not counted: they are given back on demand)."""
+        kept = sum(len(r.pages) for r in self.retained.values())
+        return (self.max_seqs - len(self.free_slots) - len(self.retained),
+                self.num_pages - len(self.free_pages) - kept)
 
 
 def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_context: int, page_size: int,
-                  prefill_chunk: int, kv_capacity: str | int = "auto", scratch_bytes: int = 0) -> int:
+                  prefill_chunk: int, kv_capacity: str | int = "auto", scratch_bytes: int = 0,
+                  prefix_caching: bool = False) -> int:
     """KV pages to allocate: every lane at full context when that fits; with `auto` on a GPU, what is left
     after the weights, the GDN states and a workspace reserve. Refuses a context that cannot fit once."""
     pages_per_seq = -(-max_context // page_size)
@@ -88,7 +158,8 @@ def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_contex
         return want
     attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
     page_bytes = 2 * attn_layers * page_size * cfg.kv_heads * cfg.head_dim * kv_dtype.itemsize
-    gdn_bytes = (cfg.layers - attn_layers) * (max_seqs + 1) * (
+    gdn_slots = max_seqs + 1 + (max_seqs if prefix_caching else 0)   # + the prefix-caching checkpoints
+    gdn_bytes = (cfg.layers - attn_layers) * gdn_slots * (
         cfg.v_heads * cfg.k_dim * cfg.v_dim * 4 + cfg.conv_channels * (cfg.conv_width - 1) * 2)
     free, _ = torch.cuda.mem_get_info(device)
     # activations of the largest prefill chunk (a few [chunk, widest projection] buffers, in bf16 elements; the

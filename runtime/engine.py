@@ -77,6 +77,7 @@ class Sequence:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0                                   # prompt tokens already run
+    cached: int = 0                                      # prompt tokens taken from a retained lane (prefix cache)
     tokens: list[int] = field(default_factory=list)      # prompt + generated
     finish_reason: str | None = None
     prefill_s: float = 0.0
@@ -107,7 +108,8 @@ FP8_KV_OPS = ("kv_cache_write_fp8", "paged_attention_fp8", "paged_attention_spli
 class Engine:
     def __init__(self, artifact_path, *, backend: str = "auto", max_context: int = 4096, max_seqs: int = 8,
                  page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
-                 cuda_graphs: bool = True, packed_weights: bool | None = None, kv_cache_dtype: str = "auto"):
+                 cuda_graphs: bool = True, packed_weights: bool | None = None, kv_cache_dtype: str = "auto",
+                 prefix_caching: bool = False):
         """packed_weights: keep q4/q5/q6/w8/fp8 matrices packed (the packed ops decode them on the fly).
         Default: on the cuda backend; the reference backend decodes them once at load (its packed ops would
         re-decode every matrix at every step: a CPU demo would crawl)."""
@@ -121,7 +123,8 @@ class Engine:
             weights = load_weights(self.art, device, torch.bfloat16 if be.name == "cuda" else torch.float32, packed)
             self._setup(be, cfg, weights, token_domain(self.art, cfg.vocab), max_context=max_context,
                         max_seqs=max_seqs, page_size=page_size, prefill_chunk=prefill_chunk,
-                        kv_capacity=kv_capacity, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype)
+                        kv_capacity=kv_capacity, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype,
+                        prefix_caching=prefix_caching)
         except BaseException:
             self.art.close()
             raise
@@ -137,7 +140,7 @@ class Engine:
 
     def _setup(self, be, cfg: HybridConfig, weights: dict, domain: int, *, max_context: int = 4096,
                max_seqs: int = 8, page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
-               cuda_graphs: bool = True, kv_cache_dtype: str = "auto") -> None:
+               cuda_graphs: bool = True, kv_cache_dtype: str = "auto", prefix_caching: bool = False) -> None:
         if prefill_chunk < 1 or max_context < 1 or not 1 <= max_seqs <= 8:
             raise EngineError("prefill_chunk and max_context must be >= 1 and max_seqs within 1..8")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -157,9 +160,10 @@ class Engine:
             raise EngineError(f"kv_cache_dtype {kv_cache_dtype!r} needs {', '.join(missing)}, which have no kernels "
                               f"for this GPU ({be.device.arch}; the E4M3 conversions need sm_89 or newer): use 'auto'")
         num_pages = plan_kv_pages(cfg, self.device, kv_dtype, max_seqs, max_context, page_size, prefill_chunk,
-                                  kv_capacity, scratch)
+                                  kv_capacity, scratch, prefix_caching)
         self.cache = SequenceCache(cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
-                                   device=self.device, dtype=self.dtype, num_pages=num_pages, kv_dtype=kv_dtype)
+                                   device=self.device, dtype=self.dtype, num_pages=num_pages, kv_dtype=kv_dtype,
+                                   prefix_caching=prefix_caching)
         try:
             self.model = MODELS[cfg.family](cfg, weights, self.cache)
         except KeyError as e:
@@ -249,7 +253,12 @@ class Engine:
         sampling.check()
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
         seq = Sequence(list(prompt), max_new, frozenset(stop_ids), sampling, seed, tokens=list(prompt))
-        seq.slot = self.cache.open_slot()
+        hit = self.cache.take_prefix(seq.prompt) if self.cache.prefix_caching else None
+        if hit is not None:
+            seq.slot, seq.pages, seq.prefilled = hit
+            seq.cached = seq.prefilled
+        else:
+            seq.slot = self.cache.open_slot()
         self._counts[seq.slot].zero_()
         return seq
 
@@ -262,6 +271,8 @@ class Engine:
         logits = self._step([seq], [(a, b)])
         seq.prefilled = b
         if b == n:
+            if self.cache.prefix_caching:
+                self.cache.checkpoint(seq.slot)
             if seq.max_new > 0:
                 self._accept(seq, self._pick(logits, [seq])[0])
             else:
@@ -327,16 +338,21 @@ class Engine:
         (a step queued ahead writes one position past the token in flight)."""
         ps = self.cache.page_size
         pages = sum(max(0, -(-(len(s.tokens) + n - 1) // ps) - len(s.pages)) for s in seqs)
-        return pages <= len(self.cache.free_pages) and all(
+        return pages <= self.cache.available_pages and all(
             s.n_generated + n <= s.max_new and len(s.tokens) + n <= self.cache.max_context for s in seqs)
 
     def _grow(self, seqs: list[Sequence], ahead: int) -> None:
         for seq in seqs:   # the fed token's position, `ahead` past the last accepted one
             self.cache.grow(seq.pages, len(seq.tokens) + ahead)
 
-    def release(self, seq: Sequence) -> None:
-        """Return the sequence's lane and KV pages to the pool (idempotent; call it however the request ended)."""
-        if seq.slot is not None or seq.pages:
+    def release(self, seq: Sequence, retain: bool = True) -> None:
+        """Return the sequence's lane and KV pages to the pool (idempotent; call it however the request ended).
+        With prefix caching, a sequence whose prompt was run keeps its lane retained (given back on demand)
+        unless retain is False (a failed step may have left its state half-written)."""
+        if seq.slot is not None and retain and self.cache.prefix_caching and seq.prefilled == len(seq.prompt):
+            self.cache.retain(seq.slot, seq.prompt, seq.pages)
+            seq.slot = None
+        elif seq.slot is not None or seq.pages:
             self.cache.release(seq.slot, seq.pages)
             seq.slot = None
 

@@ -169,7 +169,7 @@ class Scheduler:
         # counters (written by the worker, read by metrics)
         self.stats = dict(prefill_chunks=0, decode_steps=0, prompt_tokens=0, prompt_seconds=0.0,
                           predicted_tokens=0, predicted_seconds=0.0, cancelled=0, queue_full=0, queue_timeout=0,
-                          too_long=0, failed=0, completed=0)
+                          too_long=0, failed=0, completed=0, prefix_cache_queries=0, prefix_cache_hits=0)
         self._snapshot = self._make_snapshot()
         self._thread = threading.Thread(target=self._run, name="ninfer-scheduler", daemon=True)
         self._thread.start()
@@ -323,6 +323,8 @@ class Scheduler:
             return
         h.reserve_pages = self._reservation(h)
         h.admitted_at = time.monotonic()
+        self.stats["prefix_cache_queries"] += len(h.seq.prompt)   # in tokens, as vLLM counts them
+        self.stats["prefix_cache_hits"] += h.seq.cached
         self._prefilling.append(h)
 
     def _step(self, out) -> None:
@@ -388,7 +390,7 @@ class Scheduler:
         seq = h.seq
         now = time.monotonic()
         done = Done(finish_reason=seq.finish_reason or "stop", stop_string=h.stop_hit,
-                    prompt_tokens=len(seq.prompt), completion_tokens=seq.n_generated, cached_tokens=0,
+                    prompt_tokens=len(seq.prompt), completion_tokens=seq.n_generated, cached_tokens=seq.cached,
                     queue_s=h.admitted_at - h.submitted, prefill_s=seq.prefill_s, decode_s=seq.decode_s,
                     ttft_s=(h.first_token_at - h.submitted) if h.first_token_at else 0.0,
                     total_s=now - h.submitted)
@@ -397,17 +399,17 @@ class Scheduler:
         out.append((h, done))
 
     def _fail(self, h: Handle, err: SchedulerError, out) -> None:
-        self._release(h)
+        self._release(h, retain=False)
         self.stats["failed"] += 1
         out.append((h, Failed(err)))
 
-    def _release(self, h: Handle) -> None:
+    def _release(self, h: Handle, retain: bool = True) -> None:
         if h in self._prefilling:
             self._prefilling.remove(h)
         if h in self._decoding:
             self._decoding.remove(h)
         if h.seq is not None:
-            self.engine.release(h.seq)
+            self.engine.release(h.seq, retain)
         h.reserve_pages = 0
 
     def _deliver(self, out) -> None:
@@ -431,9 +433,12 @@ class Scheduler:
             lanes.append(dict(slot=seq.slot, state="prefill" if h in self._prefilling else "decode",
                               n_prompt_tokens=len(seq.prompt), n_prefilled=seq.prefilled,
                               n_decoded=seq.n_generated, max_new=seq.max_new, kv_pages=len(seq.pages),
-                              **h.req.info))
+                              n_cached_tokens=seq.cached, **h.req.info))
+        retained = [dict(slot=slot, state="retained", n_prompt_tokens=len(r.tokens), n_prefilled=len(r.tokens),
+                         n_decoded=0, max_new=0, kv_pages=len(r.pages), n_cached_tokens=len(r.tokens))
+                    for slot, r in self.engine.cache.retained.items()]
         return dict(lanes_busy=busy, kv_pages_used=pages, kv_pages_total=self.num_pages, max_seqs=self.max_seqs,
-                    pending=len(self._pending), lanes=lanes)
+                    pending=len(self._pending), lanes=lanes + retained)
 
 
 def _put_all(items) -> None:

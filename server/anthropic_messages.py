@@ -228,8 +228,10 @@ def _stop(fin: Finished) -> tuple[str, str | None]:
 
 
 def _usage(fin: Finished | None, prompt_tokens: int, output_tokens: int = 0) -> dict:
-    return {"input_tokens": prompt_tokens, "output_tokens": fin.done.completion_tokens if fin else output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": fin.done.cached_tokens if fin else 0}
+    # Anthropic counts prompt tokens read from the cache apart: input_tokens + cache_read_input_tokens is the prompt
+    cached = fin.done.cached_tokens if fin else 0
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": fin.done.completion_tokens if fin else output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def to_json(gen, fin: Finished, model: str, show_thinking: bool = True) -> dict:

@@ -123,12 +123,14 @@ async def slots(request: web.Request) -> web.Response:
     out = []
     for i in range(snap["max_seqs"]):
         lane = by_slot.get(i)
-        entry = {"id": i, "n_ctx": state.max_context, "is_processing": lane is not None,
+        busy = lane is not None and lane["state"] != "retained"   # a retained lane holds a finished prompt
+        entry = {"id": i, "n_ctx": state.max_context, "is_processing": busy,
                  "state": lane["state"] if lane else "idle", "id_task": lane.get("id_task") if lane else None,
                  "protocol": lane.get("protocol") if lane else None,
                  "n_prompt_tokens": lane["n_prompt_tokens"] if lane else 0,
                  "n_prefilled": lane["n_prefilled"] if lane else 0, "n_decoded": lane["n_decoded"] if lane else 0,
-                 "n_predict": lane["max_new"] if lane else 0, "kv_pages": lane["kv_pages"] if lane else 0}
+                 "n_predict": lane["max_new"] if lane else 0, "kv_pages": lane["kv_pages"] if lane else 0,
+                 "n_cached_tokens": lane["n_cached_tokens"] if lane else 0}
         out.append(entry)
     return web.json_response(out, headers={"X-Ninfer-Kv-Pages-Used": str(snap["kv_pages_used"]),
                                            "X-Ninfer-Kv-Pages-Total": str(snap["kv_pages_total"]),

@@ -37,6 +37,10 @@ class _SchedulerCollector:
         yield g("llamacpp:kv_cache_tokens", "KV-cache tokens (pages in use times the page size).",
                 value=snap["kv_pages_used"] * self.s.page_size)
         yield c("ninfer_prefill_chunks", "Prefill chunks run.", value=st["prefill_chunks"])
+        yield c("ninfer_prefix_cache_queries", "Prompt tokens of admitted requests (as vLLM's prefix_cache_queries).",
+                value=st["prefix_cache_queries"])
+        yield c("ninfer_prefix_cache_hits", "Prompt tokens taken from the prefix cache (as vLLM's prefix_cache_hits).",
+                value=st["prefix_cache_hits"])
         yield c("ninfer_decode_steps", "Batched decode steps run.", value=st["decode_steps"])
         yield c("ninfer_cancelled_requests", "Requests cancelled (client disconnect or cancel).",
                 value=st["cancelled"])

@@ -311,3 +311,29 @@ def test_fp8_kv_cache_matches_the_reference_backend(kind):
     if kind == "dense":   # (unpinned MoE routing flips on near-ties and moves the logits far: next's tokens can't be held)
         assert (gap <= 2 * preset["atol"]).all(), f"{kind}: top-1 gaps {gap.tolist()}"
     assert got.cache.in_use == (0, 0) and want.cache.in_use == (0, 0)
+
+
+@pytest.mark.parametrize("kind", ["dense", "next"])
+def test_prefix_caching_gives_the_same_tokens(kind):
+    """A next turn that takes over a finished prompt's lane (its KV pages, its GDN state restored from the prompt's
+    checkpoint on the device; the graphs then read that lane) decodes the tokens a full prefill gives. The first
+    prompt is two whole chunks, so both engines run the same chunks and the tokens must be equal."""
+    from ninfer.runtime.engine import Engine, SamplingParams
+    path = ORACLE / f"{kind}.ninfer"
+    if not path.is_file():
+        pytest.skip(f"no artifact at {path} (python tests/gpu/make_oracle.py {ORACLE})")
+    first = [(5 * i + 7) % 90 + 3 for i in range(32)]
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, presence_penalty=1.2, seed=31)]
+    runs = []
+    for cached in (True, False):
+        eng = Engine(path, backend="cuda", max_context=128, max_seqs=2, prefill_chunk=16, prefix_caching=cached)
+        try:
+            answer = eng.generate([first], max_new=6)[0].generated
+            turn = first + answer + [40, 41, 42, 43, 44]
+            seqs = eng.generate([turn, turn], max_new=16, sampling=params)
+            assert [s.cached for s in seqs] == ([len(first), 0] if cached else [0, 0])
+            assert eng.cache.in_use == (0, 0)
+            runs.append([s.generated for s in seqs])
+        finally:
+            eng.close()
+    assert runs[0] == runs[1]

@@ -65,7 +65,8 @@ class LiveServer:
         deadline = time.monotonic() + timeout
         while True:
             lanes, pages = self.slots()
-            busy = [s for s in lanes if s["is_processing"] or s["kv_pages"]]
+            # a lane retained for prefix caching holds its finished prompt's pages, given back on demand
+            busy = [s for s in lanes if s["is_processing"] or (s["kv_pages"] and s["state"] != "retained")]
             if not busy and pages == 0 and self.engine.cache.in_use == (0, 0) and self.state.scheduler.pending == 0:
                 return
             if time.monotonic() > deadline:

@@ -32,7 +32,7 @@ def test_thinking_blocks_on_the_real_engine(think_server):
     off = c.messages.create(model="m", max_tokens=4, messages=MSGS, thinking={"type": "disabled"},
                             extra_body={"temperature": 0})
     assert all(b.type == "text" for b in off.content)
-    assert off.usage.input_tokens == think_server.render_tokens(MSGS, thinking=False)
+    assert off.usage.input_tokens + off.usage.cache_read_input_tokens == think_server.render_tokens(MSGS, thinking=False)
     think_server.wait_idle()
 
 
@@ -67,12 +67,13 @@ def test_tool_loop(server):
               "tool_calls": [{"id": "toolu_1", "type": "function",
                               "function": {"name": "read_file", "arguments": {"path": "a.txt", "lines": 3}}}]},
              {"role": "tool", "tool_call_id": "toolu_1", "content": "line one"}]
-    assert m.usage.input_tokens == server.render_tokens(canon, [CHAT_TOOL])
+    prompt_tokens = m.usage.input_tokens + m.usage.cache_read_input_tokens   # Anthropic counts cache reads apart
+    assert prompt_tokens == server.render_tokens(canon, [CHAT_TOOL])
     prompt = server.state.text.render(canon, [CHAT_TOOL])
     assert "<parameter=lines>\n3\n</parameter>" in prompt and "<tool_response>\nline one\n</tool_response>" in prompt
     count = c.messages.count_tokens(model="m", messages=msgs, tools=[TOOL], system="sys",
                                     thinking={"type": "enabled", "budget_tokens": 2000})
-    assert count.input_tokens == m.usage.input_tokens
+    assert count.input_tokens == prompt_tokens
     server.wait_idle()
 
 
@@ -152,3 +153,17 @@ def test_tolerant_mode_recovers_a_call_the_strict_server_keeps_as_text(server, t
         else:
             assert not uses and "".join(b.text for b in m.content if b.type == "text") == bare
         s.wait_idle()
+
+
+def test_the_next_turn_reads_the_last_prompt_from_the_cache(server):
+    """Prefix caching as Anthropic reports it: input_tokens leaves out cache_read_input_tokens."""
+    c = server.anthropic()
+    turn1 = [{"role": "user", "content": "Prefix-cache test (Anthropic): say one word."}]
+    m1 = c.messages.create(model="m", max_tokens=3, messages=turn1, system="Be brief.", extra_body={"temperature": 0})
+    assert m1.usage.cache_read_input_tokens == 0
+    turn2 = turn1 + [{"role": "assistant", "content": "Word."}, {"role": "user", "content": "Another?"}]
+    m2 = c.messages.create(model="m", max_tokens=3, messages=turn2, system="Be brief.", extra_body={"temperature": 0})
+    assert m2.usage.cache_read_input_tokens == m1.usage.input_tokens
+    total = c.messages.count_tokens(model="m", messages=turn2, system="Be brief.").input_tokens
+    assert m2.usage.input_tokens == total - m1.usage.input_tokens > 0
+    server.wait_idle()

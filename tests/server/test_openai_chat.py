@@ -23,7 +23,8 @@ def test_non_stream(server):
     assert 0 < r.usage.completion_tokens <= 6
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     t = r.model_extra["timings"]   # llama.cpp-compatible block
-    assert t["prompt_n"] == r.usage.prompt_tokens and t["predicted_n"] == r.usage.completion_tokens
+    assert t["cache_n"] == r.usage.prompt_tokens_details.cached_tokens
+    assert t["prompt_n"] + t["cache_n"] == r.usage.prompt_tokens and t["predicted_n"] == r.usage.completion_tokens
     assert t["ttft_ms"] > 0
     # greedy decoding is deterministic: the same request gives the same answer
     r2 = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0)
@@ -157,4 +158,34 @@ def test_errors_are_typed(server):
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=MODEL, messages=USER, n=2)
+    server.wait_idle()
+
+
+def test_the_next_turn_prefills_only_what_the_last_prompt_lacks(server):
+    """Prefix caching: turn 2's prompt extends turn 1's, so turn 1's lane is taken over and only the rest is run
+    (usage.prompt_tokens_details.cached_tokens, llama.cpp's cache_n, and the /metrics counters say how much)."""
+    from tests.server.test_ops import metrics
+    c = server.openai()
+    turn1 = [{"role": "system", "content": "Prefix-cache test: answer in one line."},
+             {"role": "user", "content": "Name three colours."}]
+    r1 = c.chat.completions.create(model=MODEL, messages=turn1, max_tokens=4, temperature=0)
+    server.wait_idle()
+    before = metrics(server)
+    turn2 = turn1 + [{"role": "assistant", "content": "Red, green, blue."},
+                     {"role": "user", "content": "And three more?"}]
+    r2 = c.chat.completions.create(model=MODEL, messages=turn2, max_tokens=4, temperature=0)
+    assert r2.usage.prompt_tokens == server.render_tokens(turn2)
+    assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens
+    t = r2.model_extra["timings"]
+    assert t["cache_n"] == r1.usage.prompt_tokens and t["prompt_n"] == r2.usage.prompt_tokens - t["cache_n"]
+    server.wait_idle()
+    after = metrics(server)
+    grew = lambda n: after[(n, ())] - before[(n, ())]  # noqa: E731
+    assert grew("ninfer_prefix_cache_hits_total") == r1.usage.prompt_tokens
+    assert grew("ninfer_prefix_cache_queries_total") == r2.usage.prompt_tokens
+    assert grew("llamacpp:prompt_tokens_total") == r2.usage.prompt_tokens - r1.usage.prompt_tokens
+    # the same conversation again: turn 2's own lane cannot serve it (no token would be left to run), turn 1's
+    # was taken over; what comes back must be the answer a full prefill gives
+    r3 = c.chat.completions.create(model=MODEL, messages=turn2, max_tokens=4, temperature=0)
+    assert r3.choices[0].message.content == r2.choices[0].message.content
     server.wait_idle()

@@ -55,7 +55,7 @@ def test_metrics_parse_and_count(server):
 def test_slots_models_health(server):
     lanes, pages = server.slots()
     assert [s["id"] for s in lanes] == list(range(8)) and pages == 0
-    assert all(s["n_ctx"] == 1024 and s["state"] == "idle" for s in lanes)
+    assert all(s["n_ctx"] == 1024 and s["state"] in ("idle", "retained") and not s["is_processing"] for s in lanes)
     models = server.openai().models.list()
     assert [m.id for m in models.data] == ["ninfer-demo"] and models.data[0].model_extra["context_window"] == 1024
     assert server.openai().models.retrieve("ninfer-demo").id == "ninfer-demo"
@@ -98,12 +98,14 @@ def test_request_log_rotation(tmp_path):
 
 
 def test_serve_command_starts_answers_and_stops(demo_artifact, tmp_path):
-    """`ninfer-serve ARTIFACT` in its own process: port 0, a request log, SIGTERM ends it cleanly."""
+    """`ninfer-serve ARTIFACT` in its own process: port 0, a request log, prefix caching off, SIGTERM ends it
+    cleanly."""
     log = tmp_path / "r.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.Popen([str(BIN / "ninfer-serve"), str(demo_artifact), "--port", "0", "--max-context", "256",
                           "--max-concurrency", "2", "--backend", "reference", "--request-log-jsonl", str(log),
-                          "--model-id", "demo-x"], stderr=subprocess.PIPE, text=True, env=env)
+                          "--model-id", "demo-x", "--no-enable-prefix-caching"], stderr=subprocess.PIPE, text=True,
+                         env=env)
     try:
         port, seen = None, []
         deadline = time.monotonic() + 90
@@ -118,9 +120,12 @@ def test_serve_command_starts_answers_and_stops(demo_artifact, tmp_path):
         assert port, "".join(seen)
         import openai
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
-        r = c.chat.completions.create(model="demo-x", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                      temperature=0)
+        turn = [{"role": "user", "content": "hi"}]
+        r = c.chat.completions.create(model="demo-x", messages=turn, max_tokens=2, temperature=0)
         assert r.usage.completion_tokens == 2
+        turn += [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+        r = c.chat.completions.create(model="demo-x", messages=turn, max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0   # the next turn, but the cache is off
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
     finally:
