@@ -4,6 +4,8 @@ Starts `ninfer-serve` on an artifact (by default one with random weights at the 
 35B-A3B shape, written once under --workdir) and drives it with streaming OpenAI chat requests:
   prefill: one request per prompt length, max_tokens 1; the time to the end of the response is the time
            to the first token (TTFT), prompt tokens / TTFT the prefill rate;
+  next turn: after each prefill request, the conversation's next turn (that prompt, a short answer, a
+           --next-turn-token message): its TTFT and the prompt tokens the server took from its prefix cache;
   decode:  C concurrent streams of --max-tokens tokens after a --decode-prompt prompt; the aggregate rate
            is counted over the window in which all C are decoding (from the last first token to the first
            end), from the arrival times of the streamed chunks.
@@ -35,6 +37,7 @@ WORDS = ("the of and to in is was for on with as by at from that this it he she 
          "man world life hand part child eye woman place work week case point number group problem fact "
          "river mountain city house door road light water fire stone tree garden window table paper story").split()
 TEMPLATE_TOKENS = 8      # what the chat template adds around one user message (about)
+NEXT_ANSWER = "I have read it and will answer the question below."   # the next turn's assistant message
 RESOURCES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -123,13 +126,15 @@ class Server:
         self._stop()
 
 
-async def _stream(session, url: str, prompt: str, max_tokens: int, seed: int) -> dict:
-    """One streaming chat request; the arrival time of every chunk that carries text."""
+async def _stream(session, url: str, prompt: str | list, max_tokens: int, seed: int) -> dict:
+    """One streaming chat request (a user message, or the messages); the arrival time of every chunk that carries
+    text."""
     # sampled as the artifact's generation_config says (Qwen's: temperature 0.6, top-k 20, top-p 0.95; what a
     # client that sets nothing gets), with a fixed seed per stream: greedy decoding of random weights can repeat
     # a token that has no text
     body = {"model": "bench", "stream": True, "max_tokens": max_tokens, "seed": seed,
-            "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": prompt}]}
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt}
     t0 = time.perf_counter()
     arrivals, usage = [], None
     async with session.post(f"{url}/v1/chat/completions", json=body) as r:
@@ -147,6 +152,7 @@ async def _stream(session, url: str, prompt: str, max_tokens: int, seed: int) ->
     if usage is None:
         raise click.ClickException("ninfer-serve sent no usage chunk (stream_options.include_usage)")
     return {"start": t0, "end": end, "arrivals": arrivals, "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
             "completion_tokens": usage["completion_tokens"]}
 
 
@@ -164,20 +170,30 @@ def decode_rate(streams: list[dict]) -> tuple[float, float]:
     return tokens / (hi - lo), hi - lo
 
 
-async def drive(url: str, prompts: list[int], concurrency: list[int], decode_prompt: int, max_tokens: int) -> dict:
+async def drive(url: str, prompts: list[int], concurrency: list[int], decode_prompt: int, max_tokens: int,
+                next_turn: int = 0) -> dict:
     import aiohttp
-    out = {"prefill": [], "decode": []}
+    out = {"prefill": [], "next_turn": [], "decode": []}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         # warm-up at the first prompt length: first-call costs (kernel modules, the prefill routes' scratch
         # buffers) would otherwise land in its TTFT; decode graphs are ready either way
         await _stream(s, url, prompt_text(prompts[0] if prompts else 32, 0), 2, 0)
         for i, n in enumerate(prompts):
-            r = await _stream(s, url, prompt_text(n, 100 + i), 1, 1)
+            first = prompt_text(n, 100 + i)
+            r = await _stream(s, url, first, 1, 1)
             ttft = r["end"] - r["start"]
             out["prefill"].append({"prompt_tokens": r["prompt_tokens"], "ttft_s": ttft,
                                    "tok_s": r["prompt_tokens"] / ttft})
             click.echo(f"# ninfer prefill {r['prompt_tokens']} tokens: TTFT {ttft:.3f} s", err=True)
+            if next_turn:
+                turn = [{"role": "user", "content": first}, {"role": "assistant", "content": NEXT_ANSWER},
+                        {"role": "user", "content": prompt_text(next_turn, 500 + i)}]
+                t = await _stream(s, url, turn, 1, 1)
+                out["next_turn"].append({"after_tokens": r["prompt_tokens"], "prompt_tokens": t["prompt_tokens"],
+                                         "cached_tokens": t["cached_tokens"], "ttft_s": t["end"] - t["start"]})
+                click.echo(f"# ninfer next turn {t['prompt_tokens']} tokens ({t['cached_tokens']} cached): TTFT "
+                           f"{t['end'] - t['start']:.3f} s", err=True)
         for c in concurrency:
             rs = await asyncio.gather(*[_stream(s, url, prompt_text(decode_prompt, 1000 * c + i), max_tokens, i)
                                         for i in range(c)])
@@ -294,6 +310,9 @@ def table(result: dict) -> str:
             if p is not None:
                 line += f"{cell(p, key, 'peak_frac'):>37}" + (f"{x:>8.1f}x" if key == "tok_s" and x else "")
             lines.append(line)
+    for r in ours.get("next_turn", []):   # the peer keeps no cache between calls: its TTFT is a full prefill's
+        label = f"next turn {r['prompt_tokens']}"
+        lines.append(f"{label + ' TTFT':<22}{cell(r, 'ttft_s', '') + ' (%d cached)' % r['cached_tokens']:>22}")
     for i, r in enumerate(ours["decode"]):
         p = peer["decode"][i] if peer else None
         x = rat["decode"][i] if rat else None
@@ -335,9 +354,12 @@ def _ints(text: str, what: str, lo: int = 1, hi: int | None = None) -> list[int]
 @click.option("--startup-timeout", type=click.IntRange(1), default=1800, show_default=True, help="seconds")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="ninfer-serve's KV cache storage (fp8: E4M3 codes; the roofline counts their bytes)")
+@click.option("--next-turn", type=click.IntRange(0), default=256, show_default=True,
+              help="after each prefill request, its conversation's next turn with a message of about this many tokens "
+                   "(TTFT with ninfer-serve's prefix cache; 0: none)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tokens, backend, peer, workdir,
-              resources_from, startup_timeout, kv_cache_dtype, json_out) -> None:
+              resources_from, startup_timeout, kv_cache_dtype, next_turn, json_out) -> None:
     """Prefill / TTFT and aggregate decode through ninfer-serve over HTTP, beside a transformers peer."""
     import torch
 
@@ -364,10 +386,10 @@ def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tok
     ceilings = measure_ceilings(torch) if gpu else None
     if gpu:
         torch.cuda.empty_cache()
-    max_context = max(max(prompt_lens), decode_prompt) + max_tokens + 64
+    max_context = max(max(prompt_lens) + next_turn + 64, decode_prompt) + max_tokens + 64
     with Server(artifact, backend=backend, max_concurrency=max(levels), max_context=max_context,
                 startup_timeout=startup_timeout, kv_cache_dtype=kv_cache_dtype) as srv:
-        ours = asyncio.run(drive(srv.url, prompt_lens, levels, decode_prompt, max_tokens))
+        ours = asyncio.run(drive(srv.url, prompt_lens, levels, decode_prompt, max_tokens, next_turn))
     add_rooflines(ours, cfg, fmt, ceilings, kv_element_bytes(kv_cache_dtype))
     result = {"artifact": str(artifact), "weights": fmt, "kv_cache_dtype": kv_cache_dtype,
               "backend": "cuda" if gpu else "reference",

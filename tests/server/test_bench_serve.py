@@ -17,7 +17,8 @@ def run_bench(*args, timeout=600):
 def test_serve_bench_against_transformers(demo_artifact, tmp_path):
     out = tmp_path / "serve.json"
     r = run_bench("--artifact", str(demo_artifact), "--prompts", "40,120", "--concurrency", "1,3",
-                  "--decode-prompt", "30", "--max-tokens", "10", "--backend", "reference", "--json", str(out))
+                  "--decode-prompt", "30", "--max-tokens", "10", "--next-turn", "12", "--backend", "reference",
+                  "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ninfer-serve: stopping" in r.stderr          # the server child was stopped before the peer ran
     d = json.loads(out.read_text())
@@ -25,6 +26,11 @@ def test_serve_bench_against_transformers(demo_artifact, tmp_path):
     assert [abs(p["prompt_tokens"] - n) <= 6 for p, n in zip(ours["prefill"], (40, 120))] == [True, True]
     for p in ours["prefill"]:
         assert p["ttft_s"] > 0 and p["tok_s"] == pytest.approx(p["prompt_tokens"] / p["ttft_s"])
+    # each prefill request's next turn took that prompt from the prefix cache and prefilled only the rest
+    for p, t in zip(ours["prefill"], ours["next_turn"], strict=True):
+        assert t["after_tokens"] == t["cached_tokens"] == p["prompt_tokens"] and t["ttft_s"] > 0
+        assert 12 < t["prompt_tokens"] - p["prompt_tokens"] < 60
+    assert f"next turn {ours['next_turn'][1]['prompt_tokens']} TTFT" in r.stdout
     assert [x["concurrency"] for x in ours["decode"]] == [1, 3]
     for x in ours["decode"]:
         assert x["completion_tokens"] == [10] * x["concurrency"] and x["tok_s"] > 0 and x["window_s"] > 0
