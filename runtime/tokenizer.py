@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import codecs
 import json
+import threading
+from array import array
+from collections import OrderedDict
 from functools import cached_property
 
 
@@ -152,6 +155,51 @@ class Tokenizer:
     def stream(self, skip_ids=()) -> "StreamDecoder":
         """A fresh incremental detokenizer; ids in `skip_ids` (e.g. the stop token) produce no text."""
         return StreamDecoder(self, frozenset(skip_ids))
+
+
+class TurnEncoder:
+    """Token ids of chat prompts that encode each turn once. A prompt is cut before every `mark` (the template's
+    turn opener): the tokenizer itself splits text at that added token and strips nothing around it, so the ids
+    of the pieces, concatenated, are the ids of the whole. The pieces' ids are kept (least recently used out past
+    `max_tokens`), so a conversation's next turn encodes only its new turns: a 32K-token history costs ~65 ms
+    of encoding on a 2-core VM, which would be most of a next turn's time to first token once its prefill is
+    cached. Without such a mark it encodes the whole text, as Tokenizer.encode does."""
+
+    def __init__(self, tok: Tokenizer, mark: str = "<|im_start|>", max_tokens: int = 4 << 20):
+        self.tok, self.mark, self.max_tokens = tok, mark, max_tokens
+        mark_id = tok.token_id(mark)
+        t = tok._tok.get_added_tokens_decoder().get(mark_id) if mark_id is not None else None
+        self.exact = t is not None and not (t.lstrip or t.rstrip or t.single_word or t.normalized)
+        self._pieces: OrderedDict[str, array] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()   # prompts are built on executor threads
+
+    def encode(self, text: str) -> list[int]:
+        if not self.exact:
+            return self.tok.encode(text)
+        ids: list[int] = []
+        start = 0
+        while start < len(text):
+            cut = text.find(self.mark, start + 1)
+            piece = text[start:cut if cut >= 0 else len(text)]
+            ids += self._piece(piece)
+            start += len(piece)
+        return ids
+
+    def _piece(self, piece: str) -> array:
+        with self._lock:
+            got = self._pieces.get(piece)
+            if got is not None:
+                self._pieces.move_to_end(piece)
+                return got
+        got = array("i", self.tok.encode(piece))
+        with self._lock:
+            if piece not in self._pieces:
+                self._pieces[piece] = got
+                self._tokens += len(got)
+            while self._tokens > self.max_tokens and self._pieces:
+                self._tokens -= len(self._pieces.popitem(last=False)[1])
+        return got
 
 
 class StreamDecoder:

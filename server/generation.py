@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from ..runtime import scheduler as sched
 from ..runtime.chat import (ChatError, ReasoningSplitter, load_template, prompt_opens_reasoning, render)
 from ..runtime.engine import SamplingParams
-from ..runtime.tokenizer import Tokenizer
+from ..runtime.tokenizer import Tokenizer, TurnEncoder
 from .errors import ApiError, from_scheduler
 from .tool_calls import CallArgs, CallEnd, CallStart, TextPart, ToolCall, ToolCallParser
 
@@ -37,6 +37,7 @@ class ModelText:
 
     def __init__(self, art, template_path=None):
         self.tok = Tokenizer.from_artifact(art)
+        self.turns = TurnEncoder(self.tok)   # a conversation's next turn encodes only its new turns
         self.template = load_template(art, template_path)
         gen = {}
         if "generation_config.json" in art.resources:
@@ -68,7 +69,7 @@ class ModelText:
                       template=self.template)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
+        return self.turns.encode(text)
 
     def sampling(self, *, temperature=None, top_p=None, top_k=None, min_p=None, presence_penalty=None,
                  frequency_penalty=None, seed=None) -> SamplingParams:

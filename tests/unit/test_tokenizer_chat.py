@@ -8,7 +8,7 @@ import pytest
 from ninfer.runtime import chat
 from ninfer.runtime.chat import (ChatTemplateError, MessagesError, ReasoningSplitter, load_template,
                                  prompt_opens_reasoning, render, split_reasoning)
-from ninfer.runtime.tokenizer import StopStrings, Tokenizer, TokenizerError
+from ninfer.runtime.tokenizer import StopStrings, Tokenizer, TokenizerError, TurnEncoder
 
 TEXTS = ["Hello world", "  leading spaces\n\n\ttabs and trailing   ", "中文测试，你好！今天天气很好。",
          "emoji 😀👍🏽 🫠 🧑🏽‍🚀 done", "café naïve", "<|im_start|>user\nhi<|im_end|>\n<think>\nx\n</think>",
@@ -90,6 +90,30 @@ def test_stream_fallback_for_non_byte_level_tokenizers():
     pieces = [s.push(i) for i in ids] + [s.finish()]
     assert "".join(pieces) == tok.decode(ids) == "hello wörld [UNK] hello"
     assert pieces[:2] == ["hello", " wörld"]
+
+
+def test_turn_encoder_gives_the_ids_of_the_whole_text(qwen):
+    """Cut before every <|im_start|>, encoded piece by piece (and from its cache the second time): the ids of the
+    whole text, whatever stands at the cuts (whitespace runs, combining marks, the mark inside a message)."""
+    enc = TurnEncoder(qwen)
+    assert enc.exact
+    history = [{"role": "system", "content": "Be brief."}]
+    for i, text in enumerate(TEXTS):
+        history += [{"role": "user", "content": text + "\n\n  "}, {"role": "assistant", "content": " \u0301" + text}]
+    prompts = [render(history[:n], enable_thinking=n % 2 == 0) for n in range(1, len(history) + 1)]
+    prompts += ["", "no mark here", "<|im_start|>", "x<|im_start|><|im_start|>\n\n<|im_start|>  y", "e<|im_start|>\u0301"]
+    for _ in range(2):   # the second time every piece comes from the cache
+        for p in prompts:
+            assert enc.encode(p) == qwen.encode(p), p
+    small = TurnEncoder(qwen, max_tokens=50)   # least recently used pieces go
+    for p in prompts:
+        assert small.encode(p) == qwen.encode(p)
+    assert 0 < small._tokens <= 50
+
+
+def test_turn_encoder_without_the_mark_encodes_whole_texts():
+    enc = TurnEncoder(_word_level())
+    assert not enc.exact and enc.encode("hello wörld zzz hello") == [0, 1, 2, 0] and not enc._pieces
 
 
 def test_unreadable_tokenizer_is_a_typed_error():
