@@ -348,9 +348,11 @@ class Engine:
     def release(self, seq: Sequence, retain: bool = True) -> None:
         """Return the sequence's lane and KV pages to the pool (idempotent; call it however the request ended).
         With prefix caching, a sequence whose prompt was run keeps its lane retained (given back on demand)
-        unless retain is False (a failed step may have left its state half-written)."""
-        if seq.slot is not None and retain and self.cache.prefix_caching and seq.prefilled == len(seq.prompt):
-            self.cache.retain(seq.slot, seq.prompt, seq.pages)
+        unless retain is False (a failed step may have left its state half-written); one released before its prompt
+        was run (cancelled) keeps the prefix it took over, whose checkpoint and KV positions are still intact."""
+        kept = len(seq.prompt) if seq.prefilled == len(seq.prompt) else seq.cached
+        if seq.slot is not None and retain and self.cache.prefix_caching and kept:
+            self.cache.retain(seq.slot, seq.prompt[:kept], seq.pages)
             seq.slot = None
         elif seq.slot is not None or seq.pages:
             self.cache.release(seq.slot, seq.pages)

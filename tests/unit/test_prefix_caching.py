@@ -98,3 +98,19 @@ def test_retained_lanes_and_pages_come_back_when_wanted(demo_artifact):
         assert len(cache.free_pages) == 2 and cache.available_pages == 12
     finally:
         eng.close()
+
+
+def test_a_request_cancelled_before_its_prompt_ran_keeps_the_prefix_it_took_over(engines):
+    cached, plain = engines
+    first = finish(cached, run(cached, PROMPT[:13], max_new=2))
+    turn = PROMPT[:13] + first.generated + PROMPT[13:]
+    seq = cached.open(turn, max_new=3)
+    assert seq.cached == 13
+    cached.prefill(seq, max_tokens=4)                  # 4 of the remaining tokens run, then the request is cancelled
+    cached.release(seq)
+    assert [r.tokens for r in cached.cache.retained.values()][-1] == PROMPT[:13]
+    again, full = run(cached, turn), run(plain, turn)  # the kept prefix still serves the same turn exactly
+    assert again.cached == 13
+    assert_same_state(cached, again, plain, full, len(turn))
+    finish(cached, again)
+    finish(plain, full)
