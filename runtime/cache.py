@@ -5,10 +5,12 @@ A request that could never fit is refused before it starts; pages and slots go b
 a sequence ends, whatever ended it.
 
 Prefix caching (optional): the GDN state cannot be rewound, so each lane keeps a checkpoint of its state at
-the end of its prompt. A finished sequence's lane stays retained with that checkpoint and the KV pages of its
-prompt; a later prompt that extends the retained prompt takes the lane over and prefills only the rest (a
-chat's next turn: the template renders turn n + 1 as turn n's prompt plus the answer and the new message).
-Retained lanes and pages are given back, oldest first, whenever a lane or pages are wanted.
+the end of its prompt. A finished sequence's lane stays retained with its KV pages and two states: the
+checkpoint (its prompt) and the lane's own (its prompt and the tokens it generated and fed). A later prompt
+that extends either takes the lane over and prefills only the rest: a chat's next turn extends the prompt (the
+template renders turn n + 1 as turn n's prompt plus the answer, its reasoning dropped, and the new message); a
+tool loop's next call can extend the whole generation (reasoning of the current turn is kept). Retained lanes
+and pages are given back, oldest first, whenever a lane or pages are wanted.
 """
 from __future__ import annotations
 
@@ -30,9 +32,16 @@ def kv_storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class Retained:
-    """A finished sequence's lane kept for prefix caching: its slot's checkpoint holds the state after `tokens`."""
+    """A finished sequence's lane kept for prefix caching: `pages` hold the KV of `tokens`; the slot's checkpoint
+    holds the state after tokens[:checkpointed], the slot's own state the state after all of them when `live`."""
     tokens: list[int]
+    checkpointed: int
+    live: bool
     pages: list[int]
+
+    def anchors(self):
+        """(tokens covered, by the lane's own state) of each state a next prompt can start from."""
+        return [(len(self.tokens), True)] * self.live + [(self.checkpointed, False)]
 
 
 class SequenceCache:
@@ -103,28 +112,31 @@ class SequenceCache:
             self.checkpoints[i][0][slot].copy_(conv[slot])
             self.checkpoints[i][1][slot].copy_(state[slot])
 
-    def retain(self, slot: int, prompt: list[int], pages: list[int]) -> None:
-        """Keep a finished sequence's lane (checkpointed at the end of `prompt`) and its prompt's KV pages; the
-        pages past the prompt go back to the pool."""
-        keep = -(-len(prompt) // self.page_size)
+    def retain(self, slot: int, tokens: list[int], checkpointed: int, live: bool, pages: list[int]) -> None:
+        """Keep a finished sequence's lane: the KV pages of `tokens` (the rest go back to the pool), its checkpoint
+        of tokens[:checkpointed], and (live) its own state after all of `tokens`."""
+        keep = -(-len(tokens) // self.page_size)
         self.free_pages.extend(reversed(pages[keep:]))
-        self.retained[slot] = Retained(list(prompt), pages[:keep])
+        self.retained[slot] = Retained(list(tokens), checkpointed, live, pages[:keep])
         pages.clear()
 
-    def take_prefix(self, prompt: list[int]) -> tuple[int, list[int], int] | None:
-        """The retained lane with the longest prompt that `prompt` extends (by at least one token, whose logits
-        the caller needs): (slot, its KV pages, the tokens they hold), its state restored from the checkpoint;
-        None when there is none."""
-        best = max((s for s, r in self.retained.items()
-                    if len(r.tokens) < len(prompt) and prompt[:len(r.tokens)] == r.tokens),
-                   key=lambda s: len(self.retained[s].tokens), default=None)
+    def take_prefix(self, prompt: list[int]) -> tuple[int, list[int], int, int] | None:
+        """The retained state covering the most tokens that `prompt` extends (by at least one token, whose logits
+        the caller needs): (slot, the KV pages, the tokens they hold, the tokens the slot's checkpoint covers), the
+        slot's state restored from its checkpoint where that is the state taken; None when there is none."""
+        best = max(((n, live, s) for s, r in self.retained.items() for n, live in r.anchors()
+                    if 0 < n < len(prompt) and prompt[:n] == r.tokens[:n]), default=None)
         if best is None:
             return None
-        r = self.retained.pop(best)
-        for i, (conv, state) in self.gdn.items():
-            conv[best].copy_(self.checkpoints[i][0][best])
-            state[best].copy_(self.checkpoints[i][1][best])
-        return best, r.pages, len(r.tokens)
+        n, live, slot = best
+        r = self.retained.pop(slot)
+        keep = -(-n // self.page_size)
+        self.free_pages.extend(reversed(r.pages[keep:]))
+        if not live:
+            for i, (conv, state) in self.gdn.items():
+                conv[slot].copy_(self.checkpoints[i][0][slot])
+                state[slot].copy_(self.checkpoints[i][1][slot])
+        return slot, r.pages[:keep], n, r.checkpointed
 
     def _evict(self) -> None:
         slot, r = next(iter(self.retained.items()))

@@ -78,6 +78,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0                                   # prompt tokens already run
     cached: int = 0                                      # prompt tokens taken from a retained lane (prefix cache)
+    checkpointed: int = 0                                # of those, what the lane's checkpoint still covers
     tokens: list[int] = field(default_factory=list)      # prompt + generated
     finish_reason: str | None = None
     prefill_s: float = 0.0
@@ -255,7 +256,7 @@ class Engine:
         seq = Sequence(list(prompt), max_new, frozenset(stop_ids), sampling, seed, tokens=list(prompt))
         hit = self.cache.take_prefix(seq.prompt) if self.cache.prefix_caching else None
         if hit is not None:
-            seq.slot, seq.pages, seq.prefilled = hit
+            seq.slot, seq.pages, seq.prefilled, seq.checkpointed = hit
             seq.cached = seq.prefilled
         else:
             seq.slot = self.cache.open_slot()
@@ -349,14 +350,23 @@ class Engine:
         """Return the sequence's lane and KV pages to the pool (idempotent; call it however the request ended).
         With prefix caching, a sequence whose prompt was run keeps its lane retained (given back on demand)
         unless retain is False (a failed step may have left its state half-written); one released before its prompt
-        was run (cancelled) keeps the prefix it took over, whose checkpoint and KV positions are still intact."""
-        kept = len(seq.prompt) if seq.prefilled == len(seq.prompt) else seq.cached
-        if seq.slot is not None and retain and self.cache.prefix_caching and kept:
-            self.cache.retain(seq.slot, seq.prompt[:kept], seq.pages)
-            seq.slot = None
-        elif seq.slot is not None or seq.pages:
-            self.cache.release(seq.slot, seq.pages)
-            seq.slot = None
+        was run (cancelled) keeps the prefix its lane's checkpoint still covers (the checkpoint and those KV
+        positions are intact)."""
+        partial = seq.prefilled < len(seq.prompt)
+        if seq.slot is None or not retain or not self.cache.prefix_caching or (partial and not seq.checkpointed):
+            if seq.slot is not None or seq.pages:
+                self.cache.release(seq.slot, seq.pages)
+                seq.slot = None
+            return
+        if partial:   # its own state is part-way into the rest of the prompt
+            self.cache.retain(seq.slot, seq.prompt[:seq.checkpointed], seq.checkpointed, False, seq.pages)
+        else:
+            # the lane's state has fed every token but the last one picked, and that one too when a step queued
+            # ahead (Engine._decode_graphs) holds it: that step runs before anything later on the stream
+            ahead = self._ahead is not None and any(s is seq for s in self._ahead.seqs)
+            fed = len(seq.tokens) - (1 if seq.n_generated and not ahead else 0)
+            self.cache.retain(seq.slot, seq.tokens[:fed], len(seq.prompt), True, seq.pages)
+        seq.slot = None
 
     def generate(self, prompts: list[list[int]], *, max_new: int = 128, stop_ids=(),
                  sampling: SamplingParams | list[SamplingParams] = GREEDY) -> list[Sequence]:

@@ -314,26 +314,37 @@ def test_fp8_kv_cache_matches_the_reference_backend(kind):
 
 
 @pytest.mark.parametrize("kind", ["dense", "next"])
-def test_prefix_caching_gives_the_same_tokens(kind):
-    """A next turn that takes over a finished prompt's lane (its KV pages, its GDN state restored from the prompt's
-    checkpoint on the device; the graphs then read that lane) decodes the tokens a full prefill gives. The first
-    prompt is two whole chunks, so both engines run the same chunks and the tokens must be equal."""
+def test_prefix_caching_gives_the_same_model(kind):
+    """A next prompt that takes over a finished request's lane (its KV pages; its GDN state restored from the
+    prompt's checkpoint on the device, or the lane's own state after the tokens it fed; the graphs then read that
+    lane). From the checkpoint, both engines run the same chunks, so the tokens must be equal; from the lane's own
+    state, its generated tokens were run by decode steps, not by a prefill chunk, so the next logits are compared
+    within model_bf16."""
     from ninfer.runtime.engine import Engine, SamplingParams
+    from ninfer.runtime.tolerance import compare
     path = ORACLE / f"{kind}.ninfer"
     if not path.is_file():
         pytest.skip(f"no artifact at {path} (python tests/gpu/make_oracle.py {ORACLE})")
-    first = [(5 * i + 7) % 90 + 3 for i in range(32)]
+    first = [(5 * i + 7) % 90 + 3 for i in range(32)]   # two whole chunks of 16
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, presence_penalty=1.2, seed=31)]
-    runs = []
+    runs, logits = [], []
     for cached in (True, False):
         eng = Engine(path, backend="cuda", max_context=128, max_seqs=2, prefill_chunk=16, prefix_caching=cached)
         try:
+            preset = eng.be.manifest.tolerances["model_bf16"]
             answer = eng.generate([first], max_new=6)[0].generated
-            turn = first + answer + [40, 41, 42, 43, 44]
+            tool_loop = first + answer + [45, 46, 47]                       # the whole generation: the lane's state
+            seq = eng.open(tool_loop, max_new=1)
+            assert seq.cached in ((len(first) + len(answer) - 1, len(first) + len(answer)) if cached else (0,))
+            logits.append(eng._step([seq], [(seq.prefilled, len(tool_loop))]).float().cpu())
+            eng.release(seq)   # its prompt never finished: the lane keeps what its checkpoint covers, `first`
+            turn = first + [answer[0] + 1, 60, 61] + [40, 41, 42, 43, 44]   # a re-rendered answer: the checkpoint
             seqs = eng.generate([turn, turn], max_new=16, sampling=params)
             assert [s.cached for s in seqs] == ([len(first), 0] if cached else [0, 0])
-            assert eng.cache.in_use == (0, 0)
             runs.append([s.generated for s in seqs])
+            assert eng.cache.in_use == (0, 0)
         finally:
             eng.close()
     assert runs[0] == runs[1]
+    verdict = compare(logits[0], logits[1], preset, "next logits")
+    assert verdict, verdict.detail

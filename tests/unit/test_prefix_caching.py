@@ -1,5 +1,5 @@
-"""Prefix caching (SequenceCache.retain / take_prefix): a prompt that extends a finished one takes over its lane
-and prefills only the rest. Checked on the reference backend against an engine without it: the taken-over lane's
+"""Prefix caching (SequenceCache.retain / take_prefix): a prompt that extends a finished one (its prompt, or all
+the tokens it fed) takes over its lane and prefills only the rest. Checked on the reference backend against an engine without it: the taken-over lane's
 GDN states and KV, then the greedy tokens, must be those of a full prefill; and lanes and pages held by retained
 prompts must come back whenever they are wanted."""
 import pytest
@@ -21,6 +21,13 @@ def engines(demo_artifact):
 
 def run(eng, prompt, max_new=5):
     seq = eng.open(prompt, max_new=max_new)
+    while not eng.prefill(seq):
+        pass
+    return seq
+
+
+def run_with(eng, prompt, max_new, sampling, stop_ids=()):
+    seq = eng.open(prompt, max_new=max_new, sampling=sampling, stop_ids=stop_ids)
     while not eng.prefill(seq):
         pass
     return seq
@@ -52,10 +59,22 @@ def test_a_prompt_that_extends_a_finished_one_prefills_only_the_rest(engines):
     first = finish(cached, run(cached, PROMPT))
     assert first.cached == 0 and len(cached.cache.retained) == 1
     assert cached.cache.in_use == (0, 0)   # retained lanes and pages are not counted as used
-    # the next turn: the prompt, the answer as the template re-renders it, a new message
-    turn = PROMPT + first.generated + [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
+    # a chat's next turn: the prompt, the answer as the template re-renders it (not the tokens generated), a new
+    # message: the prompt's checkpoint serves it
+    turn = PROMPT + [60, 61, 62] + [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
     a, b = run(cached, turn), run(plain, turn)
     assert a.cached == len(PROMPT) and b.cached == 0 and not cached.cache.retained
+    assert_same_state(cached, a, plain, b, len(turn))
+    assert finish(cached, a).generated == finish(plain, b).generated
+
+
+def test_a_prompt_that_extends_the_whole_generation_starts_from_the_lanes_own_state(engines):
+    """A tool loop's next call: the prompt, every generated token (the last one, never fed, is run again), more."""
+    cached, plain = engines
+    first = finish(cached, run(cached, PROMPT[:15]))
+    turn = PROMPT[:15] + first.generated + [40, 41, 42]
+    a, b = run(cached, turn), run(plain, turn)
+    assert a.cached == 15 + len(first.generated) - 1
     assert_same_state(cached, a, plain, b, len(turn))
     assert finish(cached, a).generated == finish(plain, b).generated
 
@@ -65,7 +84,7 @@ def test_the_longest_retained_prefix_wins_and_a_repeated_prompt_does_not_take_it
     short, long = run(cached, PROMPT[:9]), run(cached, PROMPT[:17])   # both running: neither takes the other's lane
     finish(cached, short)
     finish(cached, long)
-    assert sorted(len(r.tokens) for r in cached.cache.retained.values()) == [9, 17]
+    assert sorted(r.checkpointed for r in cached.cache.retained.values()) == [9, 17]
     again = run(cached, PROMPT[:17])          # its own lane would leave no token to prefill for the logits
     assert again.cached == 9
     finish(cached, again)
@@ -84,33 +103,77 @@ def test_retained_lanes_and_pages_come_back_when_wanted(demo_artifact):
         assert len(cache.retained) == 2 and len(cache.free_slots) == 0
         assert len(cache.free_pages) == 12 - 5 and cache.available_pages == 12
         other = run(eng, [99] * 5, max_new=1)              # no free lane: the oldest retained one is given back
-        assert other.cached == 0 and [len(r.tokens) for r in cache.retained.values()] == [20]
+        assert other.cached == 0 and [r.checkpointed for r in cache.retained.values()] == [20]
         eng.release(other, retain=False)                   # a failed request keeps nothing
-        assert [len(r.tokens) for r in cache.retained.values()] == [20]
+        assert [r.checkpointed for r in cache.retained.values()] == [20]
         big = run(eng, [98] * 80, max_new=0)               # 10 of the 12 pages: the retained pages come back
         assert not cache.retained and len(big.pages) == 10
         eng.release(big)
-        assert [len(r.tokens) for r in cache.retained.values()] == [80] and cache.in_use == (0, 0)
+        assert [r.checkpointed for r in cache.retained.values()] == [80] and cache.in_use == (0, 0)
         half = eng.open([97] * 30, max_new=1)
         eng.prefill(half, max_tokens=8)                    # released before its prompt was run: nothing kept
         eng.release(half)
-        assert len(cache.free_slots) == 1 and [len(r.tokens) for r in cache.retained.values()] == [80]
+        assert len(cache.free_slots) == 1 and [r.checkpointed for r in cache.retained.values()] == [80]
         assert len(cache.free_pages) == 2 and cache.available_pages == 12
     finally:
         eng.close()
 
 
-def test_a_request_cancelled_before_its_prompt_ran_keeps_the_prefix_it_took_over(engines):
+def test_a_request_cancelled_before_its_prompt_ran_keeps_what_its_checkpoint_covers(engines):
     cached, plain = engines
     first = finish(cached, run(cached, PROMPT[:13], max_new=2))
     turn = PROMPT[:13] + first.generated + PROMPT[13:]
     seq = cached.open(turn, max_new=3)
-    assert seq.cached == 13
+    assert (seq.cached, seq.checkpointed) == (14, 13)  # the lane's own state (prompt + the fed token), its checkpoint
     cached.prefill(seq, max_tokens=4)                  # 4 of the remaining tokens run, then the request is cancelled
     cached.release(seq)
-    assert [r.tokens for r in cached.cache.retained.values()][-1] == PROMPT[:13]
-    again, full = run(cached, turn), run(plain, turn)  # the kept prefix still serves the same turn exactly
+    kept = list(cached.cache.retained.values())[-1]
+    assert (kept.tokens, kept.checkpointed, kept.live) == (PROMPT[:13], 13, False)
+    again, full = run(cached, turn), run(plain, turn)  # the checkpoint still serves the same turn exactly
     assert again.cached == 13
     assert_same_state(cached, again, plain, full, len(turn))
     finish(cached, again)
     finish(plain, full)
+
+
+def test_the_lanes_own_state_counts_the_token_a_step_ahead_fed(demo_artifact, monkeypatch):
+    """Through the decode graphs' steps ahead (EagerGraphs runs each launch at once, in stream order): a lane
+    stopped by a stop token inside a step queued ahead has its last token fed too; one that ran to max_new has not
+    (no step goes past max_new). Each next prompt must start from a state equal to a full prefill's."""
+    from ninfer.runtime import engine as engine_mod
+    from ninfer.runtime.engine import SamplingParams
+    from tests.unit.test_decode_ahead import EagerGraphs
+    monkeypatch.setattr(engine_mod, "DECODE_AHEAD", True)
+    opts = dict(backend="reference", max_context=96, max_seqs=2, prefill_chunk=8, page_size=8)
+    cached, plain = Engine(demo_artifact, prefix_caching=True, **opts), Engine(demo_artifact, **opts)
+    sampled = SamplingParams(temperature=0.9, seed=5)
+
+    def two_lanes(eng, stop_ids=()):   # the same batch in both engines (sampling of random weights is batch-sensitive)
+        eng.graphs = EagerGraphs(eng)
+        seqs = [run_with(eng, PROMPT[:11], 12, sampled, stop_ids), run(eng, PROMPT[:19], max_new=7)]
+        kept = {}
+        while live := [s for s in seqs if s.finish_reason is None]:
+            eng.decode(live)
+            for s in seqs:
+                if s.finish_reason is not None and s.slot is not None:
+                    eng.release(s)
+                    kept[len(s.prompt)] = next((r for r in eng.cache.retained.values()
+                                                if r.checkpointed == len(s.prompt)), None)
+        eng.graphs = None
+        return seqs, kept
+    try:
+        probe = two_lanes(plain)[0][0].generated
+        stop = next(t for i, t in enumerate(probe) if i >= 3 and t not in probe[:i])   # a token first seen late
+        seqs, kept = two_lanes(cached, {stop})
+        assert [s.finish_reason for s in seqs] == ["stop", "length"]
+        assert {n: len(r.tokens) for n, r in kept.items()} == {11: len(seqs[0].tokens), 19: len(seqs[1].tokens) - 1}
+        for s in seqs:
+            turn = s.tokens + [40, 41, 42]
+            a, b = run(cached, turn), run(plain, turn)
+            assert a.cached == len(kept[len(s.prompt)].tokens)
+            assert_same_state(cached, a, plain, b, len(turn))
+            finish(cached, a)
+            finish(plain, b)
+    finally:
+        cached.close()
+        plain.close()
