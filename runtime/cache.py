@@ -41,7 +41,7 @@ class Retained:
 
     def anchors(self):
         """(tokens covered, by the lane's own state) of each state a next prompt can start from."""
-        return [(len(self.tokens), True)] * self.live + [(self.checkpointed, False)]
+        return ([(len(self.tokens), True)] if self.live else []) + [(self.checkpointed, False)]
 
 
 class SequenceCache:

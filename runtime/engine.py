@@ -200,8 +200,8 @@ class Engine:
         host = torch.zeros(int(starts[-1]), dtype=torch.int32, pin_memory=self.device.type == "cuda")
         buf = host.numpy()
         part = [buf[s:s + n] for s, n in zip(starts, sizes)]
-        ids, positions, token_seq, slot_mapping, starts_out, slots, rows, table = part
-        starts_out[:], table = qs, table.reshape(n_seq, width)
+        ids, positions, token_seq, slot_mapping, query_start, slots, rows, table = part
+        query_start[:], table = qs, table.reshape(n_seq, width)
         for s, (seq, (a, b)) in enumerate(zip(seqs, spans)):
             o = slice(qs[s], qs[s + 1])
             ids[o] = np.fromiter(seq.tokens[a:b], dtype=np.int32, count=b - a)
