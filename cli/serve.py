@@ -90,10 +90,14 @@ def shout(text: str) -> None:
               help="Keep each finished request's lane (its prompt's KV pages and a checkpoint of its GDN state at the "
                    "prompt's end) so that a prompt extending it, as a chat's next turn does, prefills only the rest. "
                    "The checkpoints take one more GDN state per lane of GPU memory.")
+@click.option("--prefix-snapshots", type=click.IntRange(0, 64), default=2, show_default=True,
+              help="With prefix caching: keep the first turn (system prompt and tools, from 256 tokens) of this many "
+                   "recent prompts, so a new conversation that repeats it prefills only the rest (one more GDN state "
+                   "each; their KV pages are given back when wanted). 0: none.")
 def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_context, max_pending_requests,
          pending_timeout_ms, max_request_mib, default_max_tokens, request_log_jsonl, request_log_max_mib,
          request_log_keep, tolerant_tool_calls, chat_template, backend, prefill_chunk, prefill_chunk_decoding,
-         kv_cache_dtype, enable_prefix_caching):
+         kv_cache_dtype, enable_prefix_caching, prefix_snapshots):
     """Serve ARTIFACT (a .ninfer file) over OpenAI Chat Completions, OpenAI Responses and Anthropic Messages."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if demo == (artifact is not None):
@@ -115,7 +119,8 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
                           log_path=request_log_jsonl, log_max_mib=request_log_max_mib, log_keep=request_log_keep,
                           tolerant=tolerant_tool_calls, template=chat_template, backend=backend,
                           prefill_chunk=prefill_chunk, prefill_chunk_decoding=prefill_chunk_decoding,
-                          kv_cache_dtype=kv_cache_dtype, prefix_caching=enable_prefix_caching, demo=demo))
+                          kv_cache_dtype=kv_cache_dtype, prefix_caching=enable_prefix_caching,
+                          prefix_snapshots=prefix_snapshots, demo=demo))
     except KeyboardInterrupt:
         pass
 
@@ -123,7 +128,7 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
 def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending, pending_timeout_ms,
                 max_request_mib=64.0, default_max_tokens=8192, log_path=None, log_max_mib=64.0, log_keep=3,
                 tolerant=False, template=None, backend="auto", prefill_chunk=4096, prefill_chunk_decoding=512,
-                kv_cache_dtype="auto", prefix_caching=True, api_key=None, engine=None):
+                kv_cache_dtype="auto", prefix_caching=True, prefix_snapshots=2, api_key=None, engine=None):
     """Engine, scheduler and server state (also what tests start in-process)."""
     from ninfer.runtime.artifact import ArtifactError
     from ninfer.runtime.chat import ChatError
@@ -138,7 +143,8 @@ def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending
     try:
         if engine is None:
             engine = Engine(artifact, backend=backend, max_context=max_context, max_seqs=max_concurrency,
-                            prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching)
+                            prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
+                            prefix_snapshots=prefix_snapshots if prefix_caching else 0)
         text = ModelText(engine.art, template)
     except (ArtifactError, EngineError, TokenizerError, ChatError, OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None

@@ -11,6 +11,12 @@ that extends either takes the lane over and prefills only the rest: a chat's nex
 template renders turn n + 1 as turn n's prompt plus the answer, its reasoning dropped, and the new message); a
 tool loop's next call can extend the whole generation (reasoning of the current turn is kept). Retained lanes
 and pages are given back, oldest first, whenever a lane or pages are wanted.
+
+Prefix snapshots: a prompt may name a position to snapshot (the server names the end of its first turn, the
+system prompt and tool list that a new conversation repeats). The KV of the tokens before it is copied into pages
+of the snapshot's own and the GDN state into one of a few snapshot slots; a later prompt that starts with those
+tokens, in any lane, gets copies of both. Snapshot pages are given back, oldest first, when pages are wanted and
+no retained lane is left to give.
 """
 from __future__ import annotations
 
@@ -44,10 +50,19 @@ class Retained:
         return ([(len(self.tokens), True)] if self.live else []) + [(self.checkpointed, False)]
 
 
+@dataclass
+class Snapshot:
+    """A prompt prefix kept for any later prompt that starts with it: the KV of `tokens` in `pages`, the GDN state
+    after them in snapshot slot `index`."""
+    tokens: list[int]
+    pages: list[int]
+    index: int
+
+
 class SequenceCache:
     def __init__(self, cfg: HybridConfig, *, max_seqs: int, max_context: int, page_size: int, device,
                  dtype: torch.dtype, num_pages: int | None = None, kv_dtype: torch.dtype | None = None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, prefix_snapshots: int = 0):
         self.cfg, self.page_size, self.max_context, self.max_seqs = cfg, page_size, max_context, max_seqs
         self.pages_per_seq = -(-max_context // page_size)
         self.num_pages = num_pages or max_seqs * self.pages_per_seq
@@ -64,12 +79,18 @@ class SequenceCache:
         self.checkpoints = {i: (conv[:max_seqs].clone(), state[:max_seqs].clone())
                             for i, (conv, state) in self.gdn.items()} if prefix_caching else {}
         self.retained: dict[int, Retained] = {}
+        # prefix snapshots (oldest first) and their GDN state slots
+        self.snapshot_states = {i: (conv[:prefix_snapshots].clone(), state[:prefix_snapshots].clone())
+                                for i, (conv, state) in self.gdn.items()} if prefix_snapshots else {}
+        self.snapshots: dict[tuple, Snapshot] = {}
+        self.free_snapshot_slots = list(range(prefix_snapshots))
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
         self.free_slots = list(range(max_seqs - 1, -1, -1))
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size()
-                   for pair in (*self.kv.values(), *self.gdn.values(), *self.checkpoints.values()) for t in pair)
+                   for pair in (*self.kv.values(), *self.gdn.values(), *self.checkpoints.values(),
+                                *self.snapshot_states.values()) for t in pair)
 
     def admit(self, total_tokens: int) -> None:
         """Refuse up front what could never fit, whatever else is running."""
@@ -92,8 +113,8 @@ class SequenceCache:
     def grow(self, pages: list[int], tokens: int) -> None:
         """Make `pages` cover `tokens` positions, taking pages from the pool."""
         need = -(-tokens // self.page_size) - len(pages)
-        while need > len(self.free_pages) and self.retained:
-            self._evict()
+        while need > len(self.free_pages) and (self.retained or self.snapshots):
+            self._evict() if self.retained else self._drop_snapshot()
         if need > len(self.free_pages):
             raise CapacityError(f"out of KV pages: need {need} more, {len(self.free_pages)} free")
         for _ in range(max(need, 0)):
@@ -138,6 +159,67 @@ class SequenceCache:
                 state[slot].copy_(self.checkpoints[i][1][slot])
         return slot, r.pages[:keep], n, r.checkpointed
 
+    def snapshot(self, slot: int, pages: list[int], tokens: list[int]) -> bool:
+        """Keep a copy of a running lane's first len(tokens) positions (its state is after them now): KV into pages of
+        the snapshot's own, taken only from free pages and retained lanes; the GDN state into a snapshot slot, the
+        oldest snapshot's when none is free. False when it is kept already or the pages cannot be had."""
+        key = tuple(tokens)
+        if not self.snapshot_states or key in self.snapshots:
+            return False
+        need = -(-len(tokens) // self.page_size)
+        while need > len(self.free_pages) and self.retained:
+            self._evict()
+        if need > len(self.free_pages):
+            return False
+        if not self.free_snapshot_slots:
+            self._drop_snapshot()
+        own = [self.free_pages.pop() for _ in range(need)]
+        self._copy_pages(pages[:need], own)
+        index = self.free_snapshot_slots.pop()
+        for i, (conv, state) in self.gdn.items():
+            self.snapshot_states[i][0][index].copy_(conv[slot])
+            self.snapshot_states[i][1][index].copy_(state[slot])
+        self.snapshots[key] = Snapshot(list(tokens), own, index)
+        return True
+
+    def take_snapshot(self, prompt: list[int], slot: int, pages: list[int]) -> int:
+        """Start a fresh lane from the longest snapshot that `prompt` extends by at least one token: its KV copied
+        into `pages` (grown to cover it) and its GDN state into the slot. Returns the tokens it covers (0: none)."""
+        snap = max((s for s in self.snapshots.values()
+                    if len(s.tokens) < len(prompt) and prompt[:len(s.tokens)] == s.tokens),
+                   key=lambda s: len(s.tokens), default=None)
+        if snap is None:
+            return 0
+        key = tuple(snap.tokens)
+        del self.snapshots[key]   # not given back while its pages are wanted here; then the most recently used
+        try:
+            self.grow(pages, len(snap.tokens))
+        except CapacityError:
+            return 0
+        finally:
+            self.snapshots[key] = snap
+        self._copy_pages(snap.pages, pages[:len(snap.pages)])
+        for i, (conv, state) in self.gdn.items():
+            conv[slot].copy_(self.snapshot_states[i][0][snap.index])
+            state[slot].copy_(self.snapshot_states[i][1][snap.index])
+        return len(snap.tokens)
+
+    def _copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole KV pages src[j] -> dst[j] in every attention layer."""
+        if not src:
+            return
+        device = next(iter(self.kv.values()))[0].device
+        s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        for k, v in self.kv.values():
+            k[d] = k[s]
+            v[d] = v[s]
+
+    def _drop_snapshot(self) -> None:
+        key, snap = next(iter(self.snapshots.items()))
+        del self.snapshots[key]
+        self.free_pages.extend(reversed(snap.pages))
+        self.free_snapshot_slots.append(snap.index)
+
     def _evict(self) -> None:
         slot, r = next(iter(self.retained.items()))
         del self.retained[slot]
@@ -145,21 +227,23 @@ class SequenceCache:
 
     @property
     def available_pages(self) -> int:
-        """Pages free now or held by retained lanes (given back on demand)."""
-        return len(self.free_pages) + sum(len(r.pages) for r in self.retained.values())
+        """Pages free now or held by retained lanes and snapshots (given back on demand)."""
+        return len(self.free_pages) + self._kept_pages()
+
+    def _kept_pages(self) -> int:
+        return sum(len(r.pages) for r in (*self.retained.values(), *self.snapshots.values()))
 
     @property
     def in_use(self) -> tuple[int, int]:
         """(busy lanes, used pages) of running sequences: both return to 0 when every sequence has ended (retained
-        lanes and their pages are not counted: they are given back on demand)."""
-        kept = sum(len(r.pages) for r in self.retained.values())
+        lanes and their pages and snapshot pages are not counted: they are given back on demand)."""
         return (self.max_seqs - len(self.free_slots) - len(self.retained),
-                self.num_pages - len(self.free_pages) - kept)
+                self.num_pages - len(self.free_pages) - self._kept_pages())
 
 
 def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_context: int, page_size: int,
                   prefill_chunk: int, kv_capacity: str | int = "auto", scratch_bytes: int = 0,
-                  prefix_caching: bool = False) -> int:
+                  prefix_caching: bool = False, prefix_snapshots: int = 0) -> int:
     """KV pages to allocate: every lane at full context when that fits; with `auto` on a GPU, what is left
     after the weights, the GDN states and a workspace reserve. Refuses a context that cannot fit once."""
     pages_per_seq = -(-max_context // page_size)
@@ -170,7 +254,7 @@ def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_contex
         return want
     attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
     page_bytes = 2 * attn_layers * page_size * cfg.kv_heads * cfg.head_dim * kv_dtype.itemsize
-    gdn_slots = max_seqs + 1 + (max_seqs if prefix_caching else 0)   # + the prefix-caching checkpoints
+    gdn_slots = max_seqs + 1 + (max_seqs if prefix_caching else 0) + prefix_snapshots   # + checkpoints, snapshots
     gdn_bytes = (cfg.layers - attn_layers) * gdn_slots * (
         cfg.v_heads * cfg.k_dim * cfg.v_dim * 4 + cfg.conv_channels * (cfg.conv_width - 1) * 2)
     free, _ = torch.cuda.mem_get_info(device)

@@ -79,6 +79,7 @@ class Sequence:
     prefilled: int = 0                                   # prompt tokens already run
     cached: int = 0                                      # prompt tokens taken from a retained lane (prefix cache)
     checkpointed: int = 0                                # of those, what the lane's checkpoint still covers
+    snapshot_at: int = 0                                 # keep a prefix snapshot of the first this many tokens
     tokens: list[int] = field(default_factory=list)      # prompt + generated
     finish_reason: str | None = None
     prefill_s: float = 0.0
@@ -110,7 +111,7 @@ class Engine:
     def __init__(self, artifact_path, *, backend: str = "auto", max_context: int = 4096, max_seqs: int = 8,
                  page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
                  cuda_graphs: bool = True, packed_weights: bool | None = None, kv_cache_dtype: str = "auto",
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, prefix_snapshots: int = 0):
         """packed_weights: keep q4/q5/q6/w8/fp8 matrices packed (the packed ops decode them on the fly).
         Default: on the cuda backend; the reference backend decodes them once at load (its packed ops would
         re-decode every matrix at every step: a CPU demo would crawl)."""
@@ -125,7 +126,7 @@ class Engine:
             self._setup(be, cfg, weights, token_domain(self.art, cfg.vocab), max_context=max_context,
                         max_seqs=max_seqs, page_size=page_size, prefill_chunk=prefill_chunk,
                         kv_capacity=kv_capacity, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype,
-                        prefix_caching=prefix_caching)
+                        prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots)
         except BaseException:
             self.art.close()
             raise
@@ -141,7 +142,8 @@ class Engine:
 
     def _setup(self, be, cfg: HybridConfig, weights: dict, domain: int, *, max_context: int = 4096,
                max_seqs: int = 8, page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
-               cuda_graphs: bool = True, kv_cache_dtype: str = "auto", prefix_caching: bool = False) -> None:
+               cuda_graphs: bool = True, kv_cache_dtype: str = "auto", prefix_caching: bool = False,
+               prefix_snapshots: int = 0) -> None:
         if prefill_chunk < 1 or max_context < 1 or not 1 <= max_seqs <= 8:
             raise EngineError("prefill_chunk and max_context must be >= 1 and max_seqs within 1..8")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -161,10 +163,10 @@ class Engine:
             raise EngineError(f"kv_cache_dtype {kv_cache_dtype!r} needs {', '.join(missing)}, which have no kernels "
                               f"for this GPU ({be.device.arch}; the E4M3 conversions need sm_89 or newer): use 'auto'")
         num_pages = plan_kv_pages(cfg, self.device, kv_dtype, max_seqs, max_context, page_size, prefill_chunk,
-                                  kv_capacity, scratch, prefix_caching)
+                                  kv_capacity, scratch, prefix_caching, prefix_snapshots)
         self.cache = SequenceCache(cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
                                    device=self.device, dtype=self.dtype, num_pages=num_pages, kv_dtype=kv_dtype,
-                                   prefix_caching=prefix_caching)
+                                   prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots)
         try:
             self.model = MODELS[cfg.family](cfg, weights, self.cache)
         except KeyError as e:
@@ -245,8 +247,10 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------------------
     # -- the step API a scheduler drives: open -> prefill (chunk by chunk) -> decode (batched) -> release --
-    def open(self, prompt: list[int], *, max_new: int = 128, stop_ids=(), sampling: SamplingParams = GREEDY) -> Sequence:
-        """Validate and admit one request and give it a lane (raises EngineError/CapacityError, holding nothing)."""
+    def open(self, prompt: list[int], *, max_new: int = 128, stop_ids=(), sampling: SamplingParams = GREEDY,
+             snapshot_at: int = 0) -> Sequence:
+        """Validate and admit one request and give it a lane (raises EngineError/CapacityError, holding nothing).
+        snapshot_at: keep a prefix snapshot of the prompt's first this many tokens (when the engine keeps them)."""
         if max_new < 0:
             raise EngineError(f"max_new must be >= 0, got {max_new}")
         self._validate(prompt)
@@ -257,9 +261,11 @@ class Engine:
         hit = self.cache.take_prefix(seq.prompt) if self.cache.prefix_caching else None
         if hit is not None:
             seq.slot, seq.pages, seq.prefilled, seq.checkpointed = hit
-            seq.cached = seq.prefilled
         else:
             seq.slot = self.cache.open_slot()
+            seq.prefilled = self.cache.take_snapshot(seq.prompt, seq.slot, seq.pages)
+        seq.cached = seq.prefilled
+        seq.snapshot_at = snapshot_at if seq.prefilled < snapshot_at < len(seq.prompt) else 0
         self._counts[seq.slot].zero_()
         return seq
 
@@ -269,8 +275,12 @@ class Engine:
         t0 = time.perf_counter()
         n, a = len(seq.prompt), seq.prefilled
         b = min(a + min(max_tokens or self.prefill_chunk, self.prefill_chunk), n)
+        if a < seq.snapshot_at < b:   # the chunk ends where the snapshot is to be taken
+            b = seq.snapshot_at
         logits = self._step([seq], [(a, b)])
         seq.prefilled = b
+        if b == seq.snapshot_at:
+            self.cache.snapshot(seq.slot, seq.pages, seq.prompt[:b])
         if b == n:
             if self.cache.prefix_caching:
                 self.cache.checkpoint(seq.slot)

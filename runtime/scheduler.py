@@ -99,6 +99,7 @@ class Request:
     stop_ids: frozenset = frozenset()
     stop_strings: tuple[str, ...] = ()
     detokenizer: object | None = None       # .push(token_id) -> str, .finish() -> str (tokenizer.StreamDecoder)
+    snapshot_at: int = 0                    # keep a prefix snapshot of the prompt's first this many tokens
     info: dict = field(default_factory=dict)  # shown in /slots (request id, protocol, ...)
 
 
@@ -310,7 +311,7 @@ class Scheduler:
     def _open(self, h: Handle, out) -> None:
         try:
             h.seq = self.engine.open(h.req.prompt, max_new=h.req.max_new, stop_ids=h.req.stop_ids,
-                                     sampling=h.req.sampling)
+                                     sampling=h.req.sampling, snapshot_at=h.req.snapshot_at)
         except CapacityError as e:
             self._fail(h, ContextTooLong(str(e)), out)
             return

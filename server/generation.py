@@ -25,6 +25,7 @@ from .errors import ApiError, from_scheduler
 from .tool_calls import CallArgs, CallEnd, CallStart, TextPart, ToolCall, ToolCallParser
 
 KEEPALIVE_S = 10.0
+SNAPSHOT_MIN_TOKENS = 256   # shorter first turns are not worth a prefix snapshot
 SCRIPT_CHARS = 9   # test hook: characters of scripted text per generated token
 
 
@@ -70,6 +71,15 @@ class ModelText:
 
     def encode(self, text: str) -> list[int]:
         return self.turns.encode(text)
+
+    def first_turn_end(self, ids: list[int]) -> int:
+        """Where a prompt's first turn (the system prompt and tool list a new conversation repeats) ends, as a
+        prefix snapshot point; 0 when it is shorter than SNAPSHOT_MIN_TOKENS or the prompt has one turn."""
+        mark = self.tok.token_id("<|im_start|>")
+        if mark is None or not ids or ids[0] != mark:
+            return 0
+        second = next((i for i in range(1, len(ids)) if ids[i] == mark), 0)   # the second turn's opener
+        return second if second >= SNAPSHOT_MIN_TOKENS else 0
 
     def sampling(self, *, temperature=None, top_p=None, top_k=None, min_p=None, presence_penalty=None,
                  frequency_penalty=None, seed=None) -> SamplingParams:
@@ -201,6 +211,7 @@ class Generation:
         r = sched.Request(prompt=self.prompt_ids, max_new=max_new, sampling=self.req.sampling,
                           stop_ids=self.state.text.stop_ids, stop_strings=tuple(self.req.stop),
                           detokenizer=self.state.text.tok.stream(skip_ids=self.state.text.stop_ids),
+                          snapshot_at=self.state.text.first_turn_end(self.prompt_ids),
                           info=dict(id_task=self.req.request_id, protocol=self.req.protocol))
         hook = getattr(self.state, "text_hook", None)
         self.script = hook(self.req) if hook else None

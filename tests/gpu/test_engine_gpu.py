@@ -317,7 +317,8 @@ def test_fp8_kv_cache_matches_the_reference_backend(kind):
 def test_prefix_caching_gives_the_same_model(kind):
     """A next prompt that takes over a finished request's lane (its KV pages; its GDN state restored from the
     prompt's checkpoint on the device, or the lane's own state after the tokens it fed; the graphs then read that
-    lane). From the checkpoint, both engines run the same chunks, so the tokens must be equal; from the lane's own
+    lane), or that starts a lane from a prefix snapshot (KV pages and GDN state copied on the device). From the
+    checkpoint or the snapshot, both engines run the same chunks, so the tokens must be equal; from the lane's own
     state, its generated tokens were run by decode steps, not by a prefill chunk, so the next logits are compared
     within model_bf16."""
     from ninfer.runtime.engine import Engine, SamplingParams
@@ -329,7 +330,8 @@ def test_prefix_caching_gives_the_same_model(kind):
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, presence_penalty=1.2, seed=31)]
     runs, logits = [], []
     for cached in (True, False):
-        eng = Engine(path, backend="cuda", max_context=128, max_seqs=2, prefill_chunk=16, prefix_caching=cached)
+        eng = Engine(path, backend="cuda", max_context=128, max_seqs=2, prefill_chunk=16, prefix_caching=cached,
+                     prefix_snapshots=1 if cached else 0)
         try:
             preset = eng.be.manifest.tolerances["model_bf16"]
             answer = eng.generate([first], max_new=6)[0].generated
@@ -341,7 +343,13 @@ def test_prefix_caching_gives_the_same_model(kind):
             turn = first + [answer[0] + 1, 60, 61] + [40, 41, 42, 43, 44]   # a re-rendered answer: the checkpoint
             seqs = eng.generate([turn, turn], max_new=16, sampling=params)
             assert [s.cached for s in seqs] == ([len(first), 0] if cached else [0, 0])
-            runs.append([s.generated for s in seqs])
+            other = eng.open(first + [50, 51], max_new=1, snapshot_at=len(first))   # its first turn: `first`
+            while not eng.prefill(other):
+                pass
+            eng.release(other, retain=False)
+            fresh = eng.generate([first + [52, 53, 54]], max_new=16)[0]               # a new conversation
+            assert fresh.cached == (len(first) if cached else 0)
+            runs.append([s.generated for s in seqs] + [fresh.generated])
             assert eng.cache.in_use == (0, 0)
         finally:
             eng.close()

@@ -189,3 +189,21 @@ def test_the_next_turn_prefills_only_what_the_last_prompt_lacks(server):
     r3 = c.chat.completions.create(model=MODEL, messages=turn2, max_tokens=4, temperature=0)
     assert r3.choices[0].message.content == r2.choices[0].message.content
     server.wait_idle()
+
+
+def test_a_new_conversation_repeating_a_long_system_prompt_starts_from_its_snapshot(server):
+    """Prefix snapshots: the first turn (system prompt, 256 tokens or more) of a prompt is kept, so another
+    conversation that repeats it prefills only its own turns."""
+    c = server.openai()
+    system = {"role": "system", "content": "Snapshot test. " + " ".join(f"Rule {i}: answer exactly." for i in range(60))}
+    ask = lambda text: c.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=[system, {"role": "user", "content": text}], max_tokens=3, temperature=0)
+    first_turn = server.state.text.first_turn_end(server.state.text.encode(
+        server.state.text.render([system, {"role": "user", "content": "?"}])))
+    assert first_turn >= 256
+    r1 = ask("What is rule 3?")
+    r2 = ask("And what does rule 40 say?")
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    assert r2.usage.prompt_tokens_details.cached_tokens == first_turn
+    assert r2.usage.prompt_tokens == server.render_tokens([system, {"role": "user", "content": "And what does rule 40 say?"}])
+    server.wait_idle()

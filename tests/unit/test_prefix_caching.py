@@ -177,3 +177,32 @@ def test_the_lanes_own_state_counts_the_token_a_step_ahead_fed(demo_artifact, mo
     finally:
         cached.close()
         plain.close()
+
+
+def test_a_new_conversation_starts_from_a_snapshot_of_the_shared_first_turn(demo_artifact):
+    """Two conversations share a first turn (a system prompt): the second starts from the snapshot the first left,
+    in a lane of its own, with the states and KV of a full prefill; snapshot pages come back when pages are
+    wanted."""
+    opts = dict(backend="reference", max_context=96, max_seqs=2, prefill_chunk=8, page_size=8, kv_capacity=12)
+    cached, plain = Engine(demo_artifact, prefix_caching=True, prefix_snapshots=1, **opts), Engine(demo_artifact, **opts)
+    system = [(11 * i + 5) % 300 + 10 for i in range(20)]
+    try:
+        first = cached.open(system + [1, 2, 3, 4, 5], max_new=3, snapshot_at=len(system))
+        chunks = []
+        while not cached.prefill(first):
+            chunks.append(first.prefilled)
+        assert chunks == [8, 16, 20]                   # a chunk ends where the snapshot is taken
+        assert [s.tokens for s in cached.cache.snapshots.values()] == [system]
+        finish(cached, first)
+        second, full = run(cached, system + [6, 7, 8]), run(plain, system + [6, 7, 8])
+        assert second.cached == len(system)           # the first conversation's lane holds its own prompt
+        assert_same_state(cached, second, plain, full, len(system) + 3)
+        assert finish(cached, second).generated == finish(plain, full).generated
+        assert cached.cache.in_use == (0, 0) and cached.cache.available_pages == 12
+        big = run(cached, [98] * 90, max_new=0)        # 12 pages: retained lanes, then the snapshot, give theirs
+        assert not cached.cache.snapshots and len(big.pages) == 12
+        cached.release(big, retain=False)
+        assert cached.cache.free_snapshot_slots == [0] and len(cached.cache.free_pages) == 12
+    finally:
+        cached.close()
+        plain.close()

@@ -111,6 +111,17 @@ def test_turn_encoder_gives_the_ids_of_the_whole_text(qwen):
     assert 0 < small._tokens <= 50
 
 
+def test_the_first_turn_end_is_the_second_turn_opener_from_256_tokens(demo_artifact):
+    from ninfer.runtime.artifact import open_artifact
+    from ninfer.server.generation import SNAPSHOT_MIN_TOKENS, ModelText
+    text = ModelText(open_artifact(demo_artifact))
+    mark = text.tok.token_id("<|im_start|>")
+    body = [9] * (SNAPSHOT_MIN_TOKENS + 10)
+    assert text.first_turn_end([mark] + body + [mark, 5, mark, 6]) == SNAPSHOT_MIN_TOKENS + 11
+    assert text.first_turn_end([mark] + body[:100] + [mark, 5]) == 0        # a short first turn
+    assert text.first_turn_end([mark] + body) == 0 == text.first_turn_end(body + [mark, 5]) == text.first_turn_end([])
+
+
 def test_turn_encoder_without_the_mark_encodes_whole_texts():
     enc = TurnEncoder(_word_level())
     assert not enc.exact and enc.encode("hello wörld zzz hello") == [0, 1, 2, 0] and not enc._pieces
