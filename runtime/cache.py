@@ -209,7 +209,10 @@ class SequenceCache:
         if not src:
             return
         device = next(iter(self.kv.values()))[0].device
-        s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        idx = torch.tensor(src + dst)
+        if device.type == "cuda":   # asynchronous, as the step inputs are: no stream drain mid-prefill
+            idx = idx.pin_memory().to(device, non_blocking=True)
+        s, d = idx[:len(src)], idx[len(src):]
         for k, v in self.kv.values():
             k[d] = k[s]
             v[d] = v[s]
