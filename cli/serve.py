@@ -91,7 +91,7 @@ def shout(text: str) -> None:
                    "prompt's end) so that a prompt extending it, as a chat's next turn does, prefills only the rest. "
                    "The checkpoints take one more GDN state per lane of GPU memory.")
 @click.option("--prefix-snapshots", type=click.IntRange(0, 64), default=2, show_default=True,
-              help="With prefix caching: keep the first turn (system prompt and tools, from 256 tokens) of this many "
+              help="With prefix caching: keep the system turn (system prompt and tools, from 256 tokens) of this many "
                    "recent prompts, so a new conversation that repeats it prefills only the rest (one more GDN state "
                    "each; their KV pages are given back when wanted). 0: none.")
 def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_context, max_pending_requests,

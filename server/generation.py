@@ -73,10 +73,12 @@ class ModelText:
         return self.turns.encode(text)
 
     def first_turn_end(self, ids: list[int]) -> int:
-        """Where a prompt's first turn (the system prompt and tool list a new conversation repeats) ends, as a
-        prefix snapshot point; 0 when it is shorter than SNAPSHOT_MIN_TOKENS or the prompt has one turn."""
+        """Where a prompt's system turn (the system prompt and tool list a new conversation repeats) ends, as a
+        prefix snapshot point; 0 when the prompt opens with another turn (a user's first message is not repeated
+        by other conversations, and the next turn extends the lane anyway), or the system turn is shorter than
+        SNAPSHOT_MIN_TOKENS."""
         mark = self.tok.token_id("<|im_start|>")
-        if mark is None or not ids or ids[0] != mark:
+        if mark is None or ids[:2] != [mark, *self.tok.encode("system")]:
             return 0
         second = next((i for i in range(1, len(ids)) if ids[i] == mark), 0)   # the second turn's opener
         return second if second >= SNAPSHOT_MIN_TOKENS else 0

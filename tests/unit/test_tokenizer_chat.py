@@ -111,15 +111,19 @@ def test_turn_encoder_gives_the_ids_of_the_whole_text(qwen):
     assert 0 < small._tokens <= 50
 
 
-def test_the_first_turn_end_is_the_second_turn_opener_from_256_tokens(demo_artifact):
+def test_the_first_turn_end_is_where_a_long_system_turn_ends(demo_artifact):
     from ninfer.runtime.artifact import open_artifact
     from ninfer.server.generation import SNAPSHOT_MIN_TOKENS, ModelText
     text = ModelText(open_artifact(demo_artifact))
-    mark = text.tok.token_id("<|im_start|>")
+    mark, system, user = text.tok.token_id("<|im_start|>"), *text.tok.encode("system"), *text.tok.encode("user")
     body = [9] * (SNAPSHOT_MIN_TOKENS + 10)
-    assert text.first_turn_end([mark] + body + [mark, 5, mark, 6]) == SNAPSHOT_MIN_TOKENS + 11
-    assert text.first_turn_end([mark] + body[:100] + [mark, 5]) == 0        # a short first turn
-    assert text.first_turn_end([mark] + body) == 0 == text.first_turn_end(body + [mark, 5]) == text.first_turn_end([])
+    assert text.first_turn_end([mark, system] + body + [mark, 5, mark, 6]) == SNAPSHOT_MIN_TOKENS + 12
+    assert text.first_turn_end([mark, user] + body + [mark, 5]) == 0         # a user's first message
+    assert text.first_turn_end([mark, system] + body[:100] + [mark, 5]) == 0  # a short system turn
+    assert text.first_turn_end([mark, system] + body) == 0 == text.first_turn_end(body + [mark, 5]) == \
+        text.first_turn_end([])
+    rendered = text.encode(text.render([{"role": "system", "content": "x " * 300}, {"role": "user", "content": "y"}]))
+    assert rendered[text.first_turn_end(rendered)] == mark and rendered[text.first_turn_end(rendered) + 1] == user
 
 
 def test_turn_encoder_without_the_mark_encodes_whole_texts():
