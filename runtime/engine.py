@@ -265,7 +265,8 @@ class Engine:
             seq.slot = self.cache.open_slot()
             seq.prefilled = self.cache.take_snapshot(seq.prompt, seq.slot, seq.pages)
         seq.cached = seq.prefilled
-        seq.snapshot_at = snapshot_at if seq.prefilled < snapshot_at < len(seq.prompt) else 0
+        keeps = bool(self.cache.snapshot_states)   # else no chunk is cut at the snapshot point
+        seq.snapshot_at = snapshot_at if keeps and seq.prefilled < snapshot_at < len(seq.prompt) else 0
         self._counts[seq.slot].zero_()
         return seq
 

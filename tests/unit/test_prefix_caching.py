@@ -199,6 +199,9 @@ def test_a_new_conversation_starts_from_a_snapshot_of_the_shared_first_turn(demo
         assert_same_state(cached, second, plain, full, len(system) + 3)
         assert finish(cached, second).generated == finish(plain, full).generated
         assert cached.cache.in_use == (0, 0) and cached.cache.available_pages == 12
+        other = plain.open(system + [1, 2], max_new=1, snapshot_at=len(system))
+        assert other.snapshot_at == 0                  # an engine that keeps no snapshots cuts no chunk for one
+        plain.release(other)
         big = run(cached, [98] * 90, max_new=0)        # 12 pages: retained lanes, then the snapshot, give theirs
         assert not cached.cache.snapshots and len(big.pages) == 12
         cached.release(big, retain=False)
