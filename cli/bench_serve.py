@@ -6,6 +6,8 @@ Starts `ninfer-serve` on an artifact (by default one with random weights at the 
            to the first token (TTFT), prompt tokens / TTFT the prefill rate;
   next turn: after each prefill request, the conversation's next turn (that prompt, a short answer, a
            --next-turn-token message): its TTFT and the prompt tokens the server took from its prefix cache;
+  shared system turn: two new conversations that open with the same --shared-system-token system prompt: the
+           second's TTFT starts from the first's prefix snapshot;
   decode:  C concurrent streams of --max-tokens tokens after a --decode-prompt prompt; the aggregate rate
            is counted over the window in which all C are decoding (from the last first token to the first
            end), from the arrival times of the streamed chunks.
@@ -171,9 +173,9 @@ def decode_rate(streams: list[dict]) -> tuple[float, float]:
 
 
 async def drive(url: str, prompts: list[int], concurrency: list[int], decode_prompt: int, max_tokens: int,
-                next_turn: int = 0) -> dict:
+                next_turn: int = 0, shared_system: int = 0) -> dict:
     import aiohttp
-    out = {"prefill": [], "next_turn": [], "decode": []}
+    out = {"prefill": [], "next_turn": [], "shared_system": [], "decode": []}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         # warm-up at the first prompt length: first-call costs (kernel modules, the prefill routes' scratch
@@ -194,6 +196,13 @@ async def drive(url: str, prompts: list[int], concurrency: list[int], decode_pro
                                          "cached_tokens": t["cached_tokens"], "ttft_s": t["end"] - t["start"]})
                 click.echo(f"# ninfer next turn {t['prompt_tokens']} tokens ({t['cached_tokens']} cached): TTFT "
                            f"{t['end'] - t['start']:.3f} s", err=True)
+        system = {"role": "system", "content": prompt_text(shared_system, 900)}
+        for j in range(2 if shared_system else 0):
+            t = await _stream(s, url, [system, {"role": "user", "content": prompt_text(64, 901 + j)}], 1, 1)
+            out["shared_system"].append({"conversation": j + 1, "prompt_tokens": t["prompt_tokens"],
+                                         "cached_tokens": t["cached_tokens"], "ttft_s": t["end"] - t["start"]})
+            click.echo(f"# ninfer new conversation {j + 1}, shared system turn: {t['prompt_tokens']} tokens "
+                       f"({t['cached_tokens']} cached): TTFT {t['end'] - t['start']:.3f} s", err=True)
         for c in concurrency:
             rs = await asyncio.gather(*[_stream(s, url, prompt_text(decode_prompt, 1000 * c + i), max_tokens, i)
                                         for i in range(c)])
@@ -313,6 +322,9 @@ def table(result: dict) -> str:
     for r in ours.get("next_turn", []):   # the peer keeps no cache between calls: its TTFT is a full prefill's
         label = f"next turn {r['prompt_tokens']}"
         lines.append(f"{label + ' TTFT':<22}{cell(r, 'ttft_s', '') + ' (%d cached)' % r['cached_tokens']:>22}")
+    for r in ours.get("shared_system", []):   # two new conversations with one system prompt
+        label = f"new conv {r['conversation']} {r['prompt_tokens']}"
+        lines.append(f"{label + ' TTFT':<22}{cell(r, 'ttft_s', '') + ' (%d cached)' % r['cached_tokens']:>22}")
     for i, r in enumerate(ours["decode"]):
         p = peer["decode"][i] if peer else None
         x = rat["decode"][i] if rat else None
@@ -357,9 +369,12 @@ def _ints(text: str, what: str, lo: int = 1, hi: int | None = None) -> list[int]
 @click.option("--next-turn", type=click.IntRange(0), default=256, show_default=True,
               help="after each prefill request, its conversation's next turn with a message of about this many tokens "
                    "(TTFT with ninfer-serve's prefix cache; 0: none)")
+@click.option("--shared-system", type=click.IntRange(0), default=8192, show_default=True,
+              help="two new conversations opening with one system prompt of about this many tokens (the second's "
+                   "TTFT with ninfer-serve's prefix snapshot; 0: none)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tokens, backend, peer, workdir,
-              resources_from, startup_timeout, kv_cache_dtype, next_turn, json_out) -> None:
+              resources_from, startup_timeout, kv_cache_dtype, next_turn, shared_system, json_out) -> None:
     """Prefill / TTFT and aggregate decode through ninfer-serve over HTTP, beside a transformers peer."""
     import torch
 
@@ -386,10 +401,10 @@ def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tok
     ceilings = measure_ceilings(torch) if gpu else None
     if gpu:
         torch.cuda.empty_cache()
-    max_context = max(max(prompt_lens) + next_turn + 64, decode_prompt) + max_tokens + 64
+    max_context = max(max(prompt_lens) + next_turn + 64, shared_system + 128, decode_prompt) + max_tokens + 64
     with Server(artifact, backend=backend, max_concurrency=max(levels), max_context=max_context,
                 startup_timeout=startup_timeout, kv_cache_dtype=kv_cache_dtype) as srv:
-        ours = asyncio.run(drive(srv.url, prompt_lens, levels, decode_prompt, max_tokens, next_turn))
+        ours = asyncio.run(drive(srv.url, prompt_lens, levels, decode_prompt, max_tokens, next_turn, shared_system))
     add_rooflines(ours, cfg, fmt, ceilings, kv_element_bytes(kv_cache_dtype))
     result = {"artifact": str(artifact), "weights": fmt, "kv_cache_dtype": kv_cache_dtype,
               "backend": "cuda" if gpu else "reference",

@@ -17,8 +17,8 @@ def run_bench(*args, timeout=600):
 def test_serve_bench_against_transformers(demo_artifact, tmp_path):
     out = tmp_path / "serve.json"
     r = run_bench("--artifact", str(demo_artifact), "--prompts", "40,120", "--concurrency", "1,3",
-                  "--decode-prompt", "30", "--max-tokens", "10", "--next-turn", "12", "--backend", "reference",
-                  "--json", str(out))
+                  "--decode-prompt", "30", "--max-tokens", "10", "--next-turn", "12", "--shared-system", "300",
+                  "--backend", "reference", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ninfer-serve: stopping" in r.stderr          # the server child was stopped before the peer ran
     d = json.loads(out.read_text())
@@ -31,6 +31,10 @@ def test_serve_bench_against_transformers(demo_artifact, tmp_path):
         assert t["after_tokens"] == t["cached_tokens"] == p["prompt_tokens"] and t["ttft_s"] > 0
         assert 12 < t["prompt_tokens"] - p["prompt_tokens"] < 60
     assert f"next turn {ours['next_turn'][1]['prompt_tokens']} TTFT" in r.stdout
+    # the second new conversation started from the first's snapshot of their shared system turn (~300 tokens)
+    first, second = ours["shared_system"]
+    assert first["cached_tokens"] == 0 and 290 < second["cached_tokens"] < first["prompt_tokens"] - 60
+    assert "new conv 2" in r.stdout
     assert [x["concurrency"] for x in ours["decode"]] == [1, 3]
     for x in ours["decode"]:
         assert x["completion_tokens"] == [10] * x["concurrency"] and x["tok_s"] > 0 and x["window_s"] > 0
