@@ -231,9 +231,11 @@ class SequenceCache:
     @property
     def available_pages(self) -> int:
         """Pages free now or held by retained lanes and snapshots (given back on demand)."""
-        return len(self.free_pages) + self._kept_pages()
+        return len(self.free_pages) + self.kept_pages
 
-    def _kept_pages(self) -> int:
+    @property
+    def kept_pages(self) -> int:
+        """Pages held by retained lanes and snapshots."""
         return sum(len(r.pages) for r in (*self.retained.values(), *self.snapshots.values()))
 
     @property
@@ -241,7 +243,7 @@ class SequenceCache:
         """(busy lanes, used pages) of running sequences: both return to 0 when every sequence has ended (retained
         lanes and their pages and snapshot pages are not counted: they are given back on demand)."""
         return (self.max_seqs - len(self.free_slots) - len(self.retained),
-                self.num_pages - len(self.free_pages) - self._kept_pages())
+                self.num_pages - len(self.free_pages) - self.kept_pages)
 
 
 def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_context: int, page_size: int,

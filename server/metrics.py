@@ -48,6 +48,11 @@ class _SchedulerCollector:
         yield g("ninfer_lanes_total", "Sequence lanes (--max-concurrency).", value=snap["max_seqs"])
         yield g("ninfer_kv_pages_used", "KV pages held by requests.", value=snap["kv_pages_used"])
         yield g("ninfer_kv_pages_total", "KV pages in the pool.", value=snap["kv_pages_total"])
+        yield g("ninfer_lanes_retained", "Lanes kept for prefix caching (given back when wanted).",
+                value=snap["lanes_retained"])
+        yield g("ninfer_kv_pages_retained", "KV pages kept by retained lanes and prefix snapshots (given back when "
+                "wanted).", value=snap["kv_pages_retained"])
+        yield g("ninfer_prefix_snapshots", "System-turn prefix snapshots kept.", value=snap["prefix_snapshots"])
         yield g("ninfer_pending_requests", "Requests waiting for a lane.", value=self.s.pending)
         info = g("ninfer_cache_config_info", "The KV cache's configuration (as vLLM's cache_config_info): value 1.",
                  labels=["kv_cache_dtype", "page_size", "num_pages"])

@@ -184,6 +184,7 @@ def test_the_next_turn_prefills_only_what_the_last_prompt_lacks(server):
     assert grew("ninfer_prefix_cache_hits_total") == r1.usage.prompt_tokens
     assert grew("ninfer_prefix_cache_queries_total") == r2.usage.prompt_tokens
     assert grew("llamacpp:prompt_tokens_total") == r2.usage.prompt_tokens - r1.usage.prompt_tokens
+    assert after[("ninfer_lanes_retained", ())] >= 1 and after[("ninfer_kv_pages_retained", ())] >= 1
     # the same conversation again: turn 2's own lane cannot serve it (no token would be left to run), turn 1's
     # was taken over; what comes back must be the answer a full prefill gives
     r3 = c.chat.completions.create(model=MODEL, messages=turn2, max_tokens=4, temperature=0)
@@ -205,5 +206,7 @@ def test_a_new_conversation_repeating_a_long_system_prompt_starts_from_its_snaps
     r2 = ask("And what does rule 40 say?")
     assert r1.usage.prompt_tokens_details.cached_tokens == 0
     assert r2.usage.prompt_tokens_details.cached_tokens == first_turn
+    from tests.server.test_ops import metrics
+    assert metrics(server)[("ninfer_prefix_snapshots", ())] >= 1
     assert r2.usage.prompt_tokens == server.render_tokens([system, {"role": "user", "content": "And what does rule 40 say?"}])
     server.wait_idle()
