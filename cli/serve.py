@@ -94,10 +94,14 @@ def shout(text: str) -> None:
               help="With prefix caching: keep the system turn (system prompt and tools, from 256 tokens) of this many "
                    "recent prompts, so a new conversation that repeats it prefills only the rest (one more GDN state "
                    "each; their KV pages are given back when wanted). 0: none.")
+@click.option("--slot-save-path", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for llama.cpp-style POST /slots/{id}?action=save|restore|erase: a slot retained by prefix "
+                   "caching (a finished prompt's KV pages and GDN states) to or from a file there, e.g. to keep a "
+                   "long session across restarts. Off when not given.")
 def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_context, max_pending_requests,
          pending_timeout_ms, max_request_mib, default_max_tokens, request_log_jsonl, request_log_max_mib,
          request_log_keep, tolerant_tool_calls, chat_template, backend, prefill_chunk, prefill_chunk_decoding,
-         kv_cache_dtype, enable_prefix_caching, prefix_snapshots):
+         kv_cache_dtype, enable_prefix_caching, prefix_snapshots, slot_save_path):
     """Serve ARTIFACT (a .ninfer file) over OpenAI Chat Completions, OpenAI Responses and Anthropic Messages."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if demo == (artifact is not None):
@@ -120,7 +124,7 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
                           tolerant=tolerant_tool_calls, template=chat_template, backend=backend,
                           prefill_chunk=prefill_chunk, prefill_chunk_decoding=prefill_chunk_decoding,
                           kv_cache_dtype=kv_cache_dtype, prefix_caching=enable_prefix_caching,
-                          prefix_snapshots=prefix_snapshots, demo=demo))
+                          prefix_snapshots=prefix_snapshots, slot_save_path=slot_save_path, demo=demo))
     except KeyboardInterrupt:
         pass
 
@@ -128,7 +132,8 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
 def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending, pending_timeout_ms,
                 max_request_mib=64.0, default_max_tokens=8192, log_path=None, log_max_mib=64.0, log_keep=3,
                 tolerant=False, template=None, backend="auto", prefill_chunk=4096, prefill_chunk_decoding=512,
-                kv_cache_dtype="auto", prefix_caching=True, prefix_snapshots=2, api_key=None, engine=None):
+                kv_cache_dtype="auto", prefix_caching=True, prefix_snapshots=2, slot_save_path=None, api_key=None,
+                engine=None):
     """Engine, scheduler and server state (also what tests start in-process)."""
     from ninfer.runtime.artifact import ArtifactError
     from ninfer.runtime.chat import ChatError
@@ -150,8 +155,15 @@ def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending
         raise click.ClickException(str(e)) from None
     sched = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms,
                       prefill_chunk_decoding=prefill_chunk_decoding)
+    if slot_save_path is not None:
+        slot_save_path = Path(slot_save_path)
+        try:
+            slot_save_path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise click.ClickException(f"--slot-save-path {slot_save_path}: {e}") from None
     cfg = ServerConfig(model_id=model_id, api_key=api_key, max_request_mib=max_request_mib,
-                       default_max_tokens=default_max_tokens, tolerant_tool_calls=tolerant)
+                       default_max_tokens=default_max_tokens, tolerant_tool_calls=tolerant,
+                       slot_save_path=slot_save_path)
     log = RequestLog(log_path, log_max_mib, log_keep) if log_path else NullLog()
     return AppState(config=cfg, text=text, scheduler=sched, metrics=Metrics(sched), request_log=log,
                     store=ResponseStore()), engine

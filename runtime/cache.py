@@ -223,6 +223,76 @@ class SequenceCache:
         self.free_pages.extend(reversed(snap.pages))
         self.free_snapshot_slots.append(snap.index)
 
+    # -- lane images (ninfer-serve --slot-save-path) -------------------------------------------------------
+    def export_lane(self, slot: int) -> tuple[dict, dict]:
+        """A retained lane as host tensors (its KV pages, its checkpoint, its own state when live) and metadata;
+        KeyError when the slot holds no retained lane."""
+        r = self.retained[slot]
+        device = next(iter(self.kv.values()))[0].device
+        idx = torch.tensor(r.pages, device=device)
+        out = {}
+        for i, (k, v) in self.kv.items():
+            out[f"kv.{i}.k"], out[f"kv.{i}.v"] = k[idx].cpu(), v[idx].cpu()
+        for i, (conv, state) in self.gdn.items():
+            out[f"gdn.{i}.checkpoint.conv"] = self.checkpoints[i][0][slot].cpu()
+            out[f"gdn.{i}.checkpoint.state"] = self.checkpoints[i][1][slot].cpu()
+            if r.live:
+                out[f"gdn.{i}.conv"], out[f"gdn.{i}.state"] = conv[slot].cpu(), state[slot].cpu()
+        return out, {"tokens": r.tokens, "checkpointed": r.checkpointed, "live": r.live, "page_size": self.page_size}
+
+    def import_lane(self, slot: int, tensors: dict, meta: dict) -> None:
+        """Make `slot` (free or retained) a retained lane holding an image from export_lane. ValueError when the
+        image does not fit this cache's shapes; CapacityError when the lane is running or the pages cannot be had."""
+        try:
+            tokens, live, checkpointed = [int(t) for t in meta["tokens"]], bool(meta["live"]), int(meta["checkpointed"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("the image's metadata lacks its tokens, checkpoint or live flag") from None
+        n_pages = -(-len(tokens) // self.page_size)
+        want = {}
+        for i, (k, _) in self.kv.items():
+            want[f"kv.{i}.k"] = want[f"kv.{i}.v"] = ((n_pages, *k.shape[1:]), k.dtype)
+        for i, (conv, state) in self.gdn.items():
+            parts = ("checkpoint.", "") if live else ("checkpoint.",)
+            for p in parts:
+                want[f"gdn.{i}.{p}conv"], want[f"gdn.{i}.{p}state"] = (conv.shape[1:], conv.dtype), (state.shape[1:], state.dtype)
+        if meta.get("page_size") != self.page_size or not 0 < checkpointed <= len(tokens):
+            raise ValueError(f"the image's page size {meta.get('page_size')} or checkpoint does not fit this server "
+                             f"(page size {self.page_size})")
+        for name, (shape, dtype) in want.items():
+            t = tensors.get(name)
+            if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"the image's {name} is {None if t is None else (tuple(t.shape), t.dtype)}; this "
+                                 f"model's cache needs {(tuple(shape), dtype)}")
+        if slot in self.retained:
+            self.release(slot, self.retained.pop(slot).pages)
+        if slot not in self.free_slots:
+            raise CapacityError(f"lane {slot} is running a request")
+        while n_pages > len(self.free_pages) and (self.retained or self.snapshots):
+            self._evict() if self.retained else self._drop_snapshot()
+        if n_pages > len(self.free_pages):
+            raise CapacityError(f"the image needs {n_pages} KV pages; {len(self.free_pages)} are free")
+        self.free_slots.remove(slot)
+        pages = [self.free_pages.pop() for _ in range(n_pages)]
+        device = next(iter(self.kv.values()))[0].device
+        idx = torch.tensor(pages, device=device)
+        for i, (k, v) in self.kv.items():
+            k[idx], v[idx] = tensors[f"kv.{i}.k"].to(device), tensors[f"kv.{i}.v"].to(device)
+        for i, (conv, state) in self.gdn.items():
+            self.checkpoints[i][0][slot].copy_(tensors[f"gdn.{i}.checkpoint.conv"])
+            self.checkpoints[i][1][slot].copy_(tensors[f"gdn.{i}.checkpoint.state"])
+            if live:
+                conv[slot].copy_(tensors[f"gdn.{i}.conv"])
+                state[slot].copy_(tensors[f"gdn.{i}.state"])
+        self.retained[slot] = Retained(tokens, checkpointed, live, pages)
+
+    def erase_lane(self, slot: int) -> int:
+        """Give back a retained lane; returns the tokens it held (0: it held none)."""
+        r = self.retained.pop(slot, None)
+        if r is None:
+            return 0
+        self.release(slot, r.pages)
+        return len(r.tokens)
+
     def _evict(self) -> None:
         slot, r = next(iter(self.retained.items()))
         del self.retained[slot]

@@ -164,6 +164,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._pending: deque[Handle] = deque()
         self._cancels: list[Handle] = []
+        self._calls: list = []   # (fn, future, loop): engine work the loop hands to the worker (slot save / restore)
         self._prefilling: list[Handle] = []
         self._decoding: list[Handle] = []
         self._stopping = False
@@ -217,6 +218,18 @@ class Scheduler:
             self._cv.notify()
         return handle
 
+    def call(self, fn) -> asyncio.Future:
+        """Run fn() on the worker thread between steps (the engine is the worker's alone); await its result (or its
+        exception)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cv:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            self._calls.append((fn, fut, loop))
+            self._cv.notify()
+        return fut
+
     def _cancel(self, handle: Handle) -> None:
         with self._cv:
             self._cancels.append(handle)
@@ -257,9 +270,11 @@ class Scheduler:
 
     def _iteration(self, out) -> bool:
         with self._cv:
-            while not (self._pending or self._prefilling or self._decoding or self._cancels or self._stopping):
+            while not (self._pending or self._prefilling or self._decoding or self._cancels or self._calls
+                       or self._stopping):
                 self._cv.wait()
             cancels, self._cancels = self._cancels, []
+            calls, self._calls = self._calls, []
             if self._stopping:
                 err = ShuttingDown("the server is shutting down")
                 for h in list(self._pending):
@@ -286,6 +301,22 @@ class Scheduler:
             if h in self._prefilling or h in self._decoding:
                 self._release(h)
                 self.stats["cancelled"] += 1
+        settled = []
+        for fn, fut, loop in calls:
+            result, error = None, ShuttingDown("the server is shutting down")
+            if not stopping:
+                try:
+                    result, error = fn(), None
+                except Exception as e:  # the caller's to report
+                    error = e
+            settled.append((loop, fut, result, error))
+        if settled:   # /slots shows what the calls did by the time their callers hear back
+            self._snapshot = self._make_snapshot()
+        for loop, fut, result, error in settled:
+            try:
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+            except RuntimeError:  # the loop is closed
+                pass
         if stopping:
             for h in self._prefilling + self._decoding:
                 self._fail(h, ShuttingDown("the server is shutting down"), out)
@@ -442,6 +473,11 @@ class Scheduler:
         return dict(lanes_busy=busy, kv_pages_used=pages, kv_pages_total=self.num_pages, max_seqs=self.max_seqs,
                     pending=len(self._pending), lanes=lanes + retained, lanes_retained=len(retained),
                     kv_pages_retained=cache.kept_pages, prefix_snapshots=len(cache.snapshots))
+
+
+def _settle(fut: asyncio.Future, result, error) -> None:
+    if not fut.done():
+        fut.set_exception(error) if error is not None else fut.set_result(result)
 
 
 def _put_all(items) -> None:

@@ -12,7 +12,7 @@ import time
 
 from aiohttp import web
 
-from . import anthropic_messages, openai_chat, openai_responses
+from . import anthropic_messages, openai_chat, openai_responses, slot_files
 from .errors import ApiError, protocol_of
 from .metrics import CONTENT_TYPE
 from .state import STATE, AppState, state_of
@@ -146,6 +146,7 @@ def build_app(state: AppState) -> web.Application:
     r.add_get("/v1/models/{model:.+}", model)
     r.add_get("/metrics", metrics)
     r.add_get("/slots", slots)
+    r.add_post("/slots/{id}", slot_files.slot_action)
     r.add_post("/v1/chat/completions", openai_chat.handle)
     r.add_post("/v1/responses", openai_responses.create)
     r.add_get("/v1/responses/{id}", openai_responses.retrieve)

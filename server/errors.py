@@ -16,10 +16,12 @@ TYPES = {
     403: ("permission_error", "permission_error"),
     404: ("not_found_error", "not_found_error"),
     405: ("invalid_request_error", "invalid_request_error"),
+    409: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
     415: ("invalid_request_error", "invalid_request_error"),
     429: ("rate_limit_error", "rate_limit_error"),
     500: ("server_error", "api_error"),
+    501: ("not_supported_error", "api_error"),
     503: ("server_error", "overloaded_error"),
     529: ("server_error", "overloaded_error"),
 }

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
@@ -20,6 +21,7 @@ class ServerConfig:
     default_max_tokens: int = 8192
     tolerant_tool_calls: bool = False
     store_responses: int = 512
+    slot_save_path: Path | None = None   # folder of saved slots (POST /slots/{id}?action=save|restore); None: off
 
 
 @dataclass

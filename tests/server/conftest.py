@@ -53,6 +53,17 @@ class LiveServer:
         except urllib.error.HTTPError as e:
             return e.code, e.headers, e.read()
 
+    def post_json(self, path: str, body=None):
+        """POST a JSON body (or none); (status, parsed JSON answer)."""
+        data = json.dumps(body).encode() if body is not None else b""
+        req = urllib.request.Request(self.base + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
     def slots(self):
         hdr = {"x-api-key": self.api_key} if self.api_key else {}
         status, headers, body = self.get("/slots", hdr)
