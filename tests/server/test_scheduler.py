@@ -209,3 +209,47 @@ def test_a_chunk_never_exceeds_the_context(demo_artifact):
         eng.release(seq)
     finally:
         eng.close()
+
+
+def test_prefix_caching_under_load_keeps_every_lane_and_page_accounted_for(demo_artifact):
+    """Conversations and their next turns from many clients at once through two lanes and a small pool, some
+    cancelled mid-stream, with snapshots of a shared first turn: every request ends (done or cancelled), next turns
+    take their prompts from the cache where a lane still holds them, and afterwards every lane and page is free
+    or held by a retained lane or snapshot, none twice."""
+    eng = Engine(demo_artifact, backend="reference", max_context=256, max_seqs=2, prefill_chunk=8, page_size=8,
+                 kv_capacity=40, prefix_caching=True, prefix_snapshots=1)
+    system = list(range(2000, 2024))
+
+    async def converse(s, k, cancel):
+        first = S.Request(prompt=system + [3000 + k] * (5 + k), max_new=4 + k % 3, snapshot_at=len(system))
+        evs = await drain(s.submit(first))
+        done = evs[-1]
+        assert isinstance(done, S.Done)
+        nxt = S.Request(prompt=first.prompt + [50 + k, 51, 52], max_new=6)
+        h = s.submit(nxt)
+        if cancel:
+            async for ev in h:
+                h.cancel()
+                break
+            return None
+        evs = await drain(h)
+        assert isinstance(evs[-1], S.Done)
+        return evs[-1].cached_tokens
+
+    async def main():
+        s = S.Scheduler(eng, max_pending=16)
+        try:
+            return await asyncio.gather(*[converse(s, k, cancel=k % 3 == 2) for k in range(6)])
+        finally:
+            s.close()
+    try:
+        cached = asyncio.run(main())
+        assert any(c and c >= len(system) for c in cached), cached   # some next turns found their prompt kept
+        c = eng.cache
+        kept = [p for r in (*c.retained.values(), *c.snapshots.values()) for p in r.pages]
+        assert c.in_use == (0, 0)
+        assert sorted(c.free_pages + kept) == list(range(c.num_pages))
+        assert sorted(c.free_slots + list(c.retained)) == list(range(c.max_seqs))
+        assert sorted(c.free_snapshot_slots + [x.index for x in c.snapshots.values()]) == [0]
+    finally:
+        eng.close()
