@@ -386,13 +386,13 @@ class Engine:
         return self.art.payload_sha256 if self.art is not None else f"in-memory-weights-{id(self.weights)}"
 
     def lane_image(self, slot: int) -> tuple[dict, dict]:
-        """A retained lane's KV pages and GDN states as host tensors, and its tokens (write_lane_image saves them);
+        """A retained lane's KV pages and GDN states as host tensors, and its tokens (lane_image.write_lane_image saves them);
         KeyError when the lane holds no finished prompt."""
         tensors, meta = self.cache.export_lane(slot)
         return tensors, {**meta, "model": self.model_digest}
 
     def restore_lane(self, slot: int, tensors: dict, meta: dict) -> int:
-        """Make lane `slot` a retained lane holding an image (read_lane_image); returns its tokens. ValueError when
+        """Make lane `slot` a retained lane holding an image (lane_image.read_lane_image); returns its tokens. ValueError when
         it is not an image of this model's cache; CapacityError when the lane is running or pages are short."""
         if meta.get("model") != self.model_digest:
             raise ValueError("the image was saved from another model")
@@ -464,33 +464,3 @@ class Engine:
 
 __all__ = ["Engine", "EngineError", "CapacityError", "Sequence", "SamplingParams", "GREEDY"]
 
-
-def write_lane_image(path, tensors: dict, meta: dict) -> int:
-    """Save a lane image (safetensors, the metadata as JSON) atomically: a temporary file beside `path`, then a
-    rename, so a failed write leaves no file; returns the bytes written."""
-    import tempfile
-
-    from safetensors.torch import save_file
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"ninfer_lane": json.dumps(meta)})
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return os.path.getsize(path)
-
-
-def read_lane_image(path) -> tuple[dict, dict, int]:
-    """(tensors, metadata, bytes read) of a saved lane image; ValueError when the file is not one."""
-    from safetensors import SafetensorError, safe_open
-    try:
-        with safe_open(path, "pt") as f:
-            meta = json.loads((f.metadata() or {}).get("ninfer_lane", "null"))
-            if not isinstance(meta, dict) or not isinstance(meta.get("tokens"), list):
-                raise ValueError(f"{os.path.basename(path)} is not a saved lane")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, json.JSONDecodeError) as e:
-        raise ValueError(f"{os.path.basename(path)} is not a saved lane: {e}") from None
-    return tensors, meta, os.path.getsize(path)

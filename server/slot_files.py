@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 
 from ..runtime.cache import CapacityError
-from ..runtime.engine import read_lane_image, write_lane_image
+from ..runtime.lane_image import read_lane_image, write_lane_image
 from .errors import ApiError
 from .state import state_of
 
