@@ -386,14 +386,15 @@ class Engine:
         return self.art.payload_sha256 if self.art is not None else f"in-memory-weights-{id(self.weights)}"
 
     def lane_image(self, slot: int) -> tuple[dict, dict]:
-        """A retained lane's KV pages and GDN states as host tensors, and its tokens (lane_image.write_lane_image saves them);
-        KeyError when the lane holds no finished prompt."""
+        """A retained lane's KV pages and GDN states as host tensors, and its tokens (lane_image.write_lane_image
+        saves them); KeyError when the lane holds no finished prompt."""
         tensors, meta = self.cache.export_lane(slot)
         return tensors, {**meta, "model": self.model_digest}
 
     def restore_lane(self, slot: int, tensors: dict, meta: dict) -> int:
-        """Make lane `slot` a retained lane holding an image (lane_image.read_lane_image); returns its tokens. ValueError when
-        it is not an image of this model's cache; CapacityError when the lane is running or pages are short."""
+        """Make lane `slot` a retained lane holding an image (lane_image.read_lane_image); returns its tokens.
+        ValueError when it is not an image of this model's cache; CapacityError when the lane is running or pages
+        are short."""
         if meta.get("model") != self.model_digest:
             raise ValueError("the image was saved from another model")
         if not self.cache.prefix_caching:
