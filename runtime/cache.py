@@ -64,6 +64,7 @@ class SequenceCache:
                  dtype: torch.dtype, num_pages: int | None = None, kv_dtype: torch.dtype | None = None,
                  prefix_caching: bool = False, prefix_snapshots: int = 0):
         self.cfg, self.page_size, self.max_context, self.max_seqs = cfg, page_size, max_context, max_seqs
+        self.device = torch.device(device)
         self.pages_per_seq = -(-max_context // page_size)
         self.num_pages = num_pages or max_seqs * self.pages_per_seq
         shape = (self.num_pages, page_size, cfg.kv_heads, cfg.head_dim)
@@ -113,9 +114,7 @@ class SequenceCache:
     def grow(self, pages: list[int], tokens: int) -> None:
         """Make `pages` cover `tokens` positions, taking pages from the pool."""
         need = -(-tokens // self.page_size) - len(pages)
-        while need > len(self.free_pages) and (self.retained or self.snapshots):
-            self._evict() if self.retained else self._drop_snapshot()
-        if need > len(self.free_pages):
+        if not self._reclaim(need):
             raise CapacityError(f"out of KV pages: need {need} more, {len(self.free_pages)} free")
         for _ in range(max(need, 0)):
             pages.append(self.free_pages.pop())
@@ -129,9 +128,7 @@ class SequenceCache:
     # -- prefix caching --------------------------------------------------------------------------------
     def checkpoint(self, slot: int) -> None:
         """Keep the slot's state (the end of its prompt) for prefix caching."""
-        for i, (conv, state) in self.gdn.items():
-            self.checkpoints[i][0][slot].copy_(conv[slot])
-            self.checkpoints[i][1][slot].copy_(state[slot])
+        _copy_states(self.checkpoints, slot, self.gdn, slot)
 
     def retain(self, slot: int, tokens: list[int], checkpointed: int, live: bool, pages: list[int]) -> None:
         """Keep a finished sequence's lane: the KV pages of `tokens` (the rest go back to the pool), its checkpoint
@@ -154,9 +151,7 @@ class SequenceCache:
         keep = -(-n // self.page_size)
         self.free_pages.extend(reversed(r.pages[keep:]))
         if not live:
-            for i, (conv, state) in self.gdn.items():
-                conv[slot].copy_(self.checkpoints[i][0][slot])
-                state[slot].copy_(self.checkpoints[i][1][slot])
+            _copy_states(self.gdn, slot, self.checkpoints, slot)
         return slot, r.pages[:keep], n, r.checkpointed
 
     def snapshot(self, slot: int, pages: list[int], tokens: list[int]) -> bool:
@@ -167,18 +162,14 @@ class SequenceCache:
         if not self.snapshot_states or key in self.snapshots:
             return False
         need = -(-len(tokens) // self.page_size)
-        while need > len(self.free_pages) and self.retained:
-            self._evict()
-        if need > len(self.free_pages):
+        if not self._reclaim(need, snapshots=False):
             return False
         if not self.free_snapshot_slots:
             self._drop_snapshot()
         own = [self.free_pages.pop() for _ in range(need)]
         self._copy_pages(pages[:need], own)
         index = self.free_snapshot_slots.pop()
-        for i, (conv, state) in self.gdn.items():
-            self.snapshot_states[i][0][index].copy_(conv[slot])
-            self.snapshot_states[i][1][index].copy_(state[slot])
+        _copy_states(self.snapshot_states, index, self.gdn, slot)
         self.snapshots[key] = Snapshot(list(tokens), own, index)
         return True
 
@@ -199,19 +190,16 @@ class SequenceCache:
         finally:
             self.snapshots[key] = snap
         self._copy_pages(snap.pages, pages[:len(snap.pages)])
-        for i, (conv, state) in self.gdn.items():
-            conv[slot].copy_(self.snapshot_states[i][0][snap.index])
-            state[slot].copy_(self.snapshot_states[i][1][snap.index])
+        _copy_states(self.gdn, slot, self.snapshot_states, snap.index)
         return len(snap.tokens)
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole KV pages src[j] -> dst[j] in every attention layer."""
         if not src:
             return
-        device = next(iter(self.kv.values()))[0].device
         idx = torch.tensor(src + dst)
-        if device.type == "cuda":   # asynchronous, as the step inputs are: no stream drain mid-prefill
-            idx = idx.pin_memory().to(device, non_blocking=True)
+        if self.device.type == "cuda":   # asynchronous, as the step inputs are: no stream drain mid-prefill
+            idx = idx.pin_memory().to(self.device, non_blocking=True)
         s, d = idx[:len(src)], idx[len(src):]
         for k, v in self.kv.values():
             k[d] = k[s]
@@ -228,8 +216,7 @@ class SequenceCache:
         """A retained lane as host tensors (its KV pages, its checkpoint, its own state when live) and metadata;
         KeyError when the slot holds no retained lane."""
         r = self.retained[slot]
-        device = next(iter(self.kv.values()))[0].device
-        idx = torch.tensor(r.pages, device=device)
+        idx = torch.tensor(r.pages, device=self.device)
         out = {}
         for i, (k, v) in self.kv.items():
             out[f"kv.{i}.k"], out[f"kv.{i}.v"] = k[idx].cpu(), v[idx].cpu()
@@ -267,16 +254,13 @@ class SequenceCache:
             self.release(slot, self.retained.pop(slot).pages)
         if slot not in self.free_slots:
             raise CapacityError(f"lane {slot} is running a request")
-        while n_pages > len(self.free_pages) and (self.retained or self.snapshots):
-            self._evict() if self.retained else self._drop_snapshot()
-        if n_pages > len(self.free_pages):
+        if not self._reclaim(n_pages):
             raise CapacityError(f"the image needs {n_pages} KV pages; {len(self.free_pages)} are free")
         self.free_slots.remove(slot)
         pages = [self.free_pages.pop() for _ in range(n_pages)]
-        device = next(iter(self.kv.values()))[0].device
-        idx = torch.tensor(pages, device=device)
+        idx = torch.tensor(pages, device=self.device)
         for i, (k, v) in self.kv.items():
-            k[idx], v[idx] = tensors[f"kv.{i}.k"].to(device), tensors[f"kv.{i}.v"].to(device)
+            k[idx], v[idx] = tensors[f"kv.{i}.k"].to(self.device), tensors[f"kv.{i}.v"].to(self.device)
         for i, (conv, state) in self.gdn.items():
             self.checkpoints[i][0][slot].copy_(tensors[f"gdn.{i}.checkpoint.conv"])
             self.checkpoints[i][1][slot].copy_(tensors[f"gdn.{i}.checkpoint.state"])
@@ -292,6 +276,13 @@ class SequenceCache:
             return 0
         self.release(slot, r.pages)
         return len(r.tokens)
+
+    def _reclaim(self, need: int, snapshots: bool = True) -> bool:
+        """Give back retained lanes, then (snapshots) prefix snapshots, oldest first, until `need` pages are free;
+        False when they cannot be."""
+        while need > len(self.free_pages) and (self.retained or (snapshots and self.snapshots)):
+            self._evict() if self.retained else self._drop_snapshot()
+        return need <= len(self.free_pages)
 
     def _evict(self) -> None:
         slot, r = next(iter(self.retained.items()))
@@ -314,6 +305,13 @@ class SequenceCache:
         lanes and their pages and snapshot pages are not counted: they are given back on demand)."""
         return (self.max_seqs - len(self.free_slots) - len(self.retained),
                 self.num_pages - len(self.free_pages) - self.kept_pages)
+
+
+def _copy_states(dst: dict, di: int, src: dict, si: int) -> None:
+    """dst[layer][k][di] <- src[layer][k][si] for both GDN state tensors (conv, recurrent) of every GDN layer."""
+    for i, pair in src.items():
+        for d, t in zip(dst[i], pair):
+            d[di].copy_(t[si])
 
 
 def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_context: int, page_size: int,
