@@ -466,10 +466,10 @@ class Scheduler:
                               n_prompt_tokens=len(seq.prompt), n_prefilled=seq.prefilled,
                               n_decoded=seq.n_generated, max_new=seq.max_new, kv_pages=len(seq.pages),
                               n_cached_tokens=seq.cached, **h.req.info))
+        cache = self.engine.cache
         retained = [dict(slot=slot, state="retained", n_prompt_tokens=len(r.tokens), n_prefilled=len(r.tokens),
                          n_decoded=0, max_new=0, kv_pages=len(r.pages), n_cached_tokens=len(r.tokens))
-                    for slot, r in self.engine.cache.retained.items()]
-        cache = self.engine.cache
+                    for slot, r in cache.retained.items()]
         return dict(lanes_busy=busy, kv_pages_used=pages, kv_pages_total=self.num_pages, max_seqs=self.max_seqs,
                     pending=len(self._pending), lanes=lanes + retained, lanes_retained=len(retained),
                     kv_pages_retained=cache.kept_pages, prefix_snapshots=len(cache.snapshots))

@@ -39,6 +39,8 @@ class ModelText:
     def __init__(self, art, template_path=None):
         self.tok = Tokenizer.from_artifact(art)
         self.turns = TurnEncoder(self.tok)   # a conversation's next turn encodes only its new turns
+        self.mark = self.tok.token_id("<|im_start|>")
+        self.system_opener = [self.mark, *self.tok.encode("system")]   # a prompt's first ids when it has a system turn
         self.template = load_template(art, template_path)
         gen = {}
         if "generation_config.json" in art.resources:
@@ -77,10 +79,9 @@ class ModelText:
         prefix snapshot point; 0 when the prompt opens with another turn (a user's first message is not repeated
         by other conversations, and the next turn extends the lane anyway), or the system turn is shorter than
         SNAPSHOT_MIN_TOKENS."""
-        mark = self.tok.token_id("<|im_start|>")
-        if mark is None or ids[:2] != [mark, *self.tok.encode("system")]:
+        if self.mark is None or ids[:2] != self.system_opener:
             return 0
-        second = next((i for i in range(1, len(ids)) if ids[i] == mark), 0)   # the second turn's opener
+        second = next((i for i in range(1, len(ids)) if ids[i] == self.mark), 0)   # the second turn's opener
         return second if second >= SNAPSHOT_MIN_TOKENS else 0
 
     def sampling(self, *, temperature=None, top_p=None, top_k=None, min_p=None, presence_penalty=None,
