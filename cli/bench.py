@@ -45,6 +45,13 @@ CASES = [
     ("linear_swiglu_q4", {"I": 17408, "K": 5120}, [4096]),
     ("linear_q4", {"N": 248320, "K": 5120}, [1]),
     *((f"linear_{f}", {"N": 17408, "K": 5120}, [1, 4096]) for f in ("q5", "q6", "w8", "fp8")),
+    # FP8 weights on FP8 tensor cores (W8A8): the activations' per-token codes, then the E4M3 GEMM at the 27B MLP
+    # shapes (against dequant_fp8 + linear, the bf16 path, and linear_fp8's mma.sync route above)
+    ("quant_fp8_per_token", {"K": 5120}, [4096]),
+    ("quant_fp8_per_token", {"K": 17408}, [4096]),
+    ("linear_fp8_w8a8", {"N": 17408, "K": 5120}, [512, 2048, 4096]),
+    ("linear_fp8_w8a8", {"N": 34816, "K": 5120}, [4096]),
+    ("linear_fp8_w8a8", {"N": 5120, "K": 17408}, [4096]),
     # prefill decodes each packed matrix into a bf16 scratch (T = its rows): 27B gate_up and down
     *((f"dequant_{f}", {"K": 5120}, [34816]) for f in ("q4", "q5", "q6", "w8", "fp8")),
     ("dequant_q4", {"K": 17408}, [5120]),
@@ -79,6 +86,19 @@ CASES = [
     *((op, MOE_35B, [64, 256, 1024, 4096]) for op in ("moe_align", "moe_gate_up_grouped_q4", "moe_down_grouped_q4",
                                                        "moe_sum")),
 ]
+
+
+def measure_fp8_gemm(torch) -> float | None:
+    """E4M3 GEMM TFLOP/s via torch._scaled_mm (8192^3, per-tensor scales, fp32 accumulation), median of 10; None
+    where torch has no FP8 GEMM for this GPU."""
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    try:
+        secs = _time(torch, lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16), 10)
+    except (RuntimeError, AttributeError):
+        return None
+    return 2 * 8192**3 / secs / 1e12
 
 
 def measure_ceilings(torch) -> tuple[float, float]:
@@ -141,6 +161,11 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None, routes: tup
     dev = be.device
     click.echo(f"# {dev.name} ({dev.arch}, {dev.sm_count} SMs); measured ceilings: copy {copy_gbs:,.0f} GB/s "
                f"(read+write), bf16 GEMM {gemm_tflops:,.0f} TFLOP/s (torch)")
+    fp8_tflops = None
+    if any(op.endswith("_w8a8") for op, _, _ in CASES if not ops or op in ops):
+        fp8_tflops = measure_fp8_gemm(torch)
+        click.echo(f"# FP8 GEMM {fp8_tflops:,.0f} TFLOP/s (torch._scaled_mm): the peak of the _w8a8 ops" if fp8_tflops
+                   else "# no FP8 GEMM in torch here: the _w8a8 ops' %peak is against the bf16 GEMM")
     click.echo(f"{'op':<18}{'problem':<18}{'T':>7}  {'route':<18}{'us':>9}{'GB/s':>8}{'%bw':>6}{'TFLOP/s':>9}{'%peak':>7}")
     rows = []
     rng = torch.Generator(device="cuda")
@@ -168,9 +193,10 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None, routes: tup
                 secs = _time_graph(torch, plans, reps)
                 flops = op_flops(op, T, problem)
                 gbs = nbytes / secs / 1e9
+                peak = fp8_tflops if op.endswith("_w8a8") and fp8_tflops else gemm_tflops
                 row = {"op": op, "problem": problem, "T": T, "route": inst, "selected": inst == chosen,
                        "us": secs * 1e6, "GB/s": gbs, "bw_frac": gbs / copy_gbs,
-                       "TFLOP/s": flops / secs / 1e12, "peak_frac": flops / secs / 1e12 / gemm_tflops}
+                       "TFLOP/s": flops / secs / 1e12, "peak_frac": flops / secs / 1e12 / peak}
                 rows.append(row)
                 mark = "*" if inst == chosen else " "
                 click.echo(f"{op:<18}{json.dumps(problem, separators=(',', ':')):<18}{T:>7}  {mark}{inst:<17}"
@@ -182,7 +208,7 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None, routes: tup
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"device": dev.name, "arch": dev.arch, "copy_GBps": copy_gbs, "gemm_TFLOPs": gemm_tflops,
-                       "rows": rows}, f, indent=1)
+                       "fp8_gemm_TFLOPs": fp8_tflops, "rows": rows}, f, indent=1)
 
 
 @click.group()

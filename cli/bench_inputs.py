@@ -91,6 +91,12 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         return _make_sample(torch, dims, rng)
     if is_expert_op(op):
         return _make_moe(torch, contract, op, dims, rng)
+    if op == "linear_fp8_w8a8":
+        return _make_w8a8(torch, dims, rng)
+    if op == "quant_fp8_per_token":
+        T, K, dev = dims["T"], dims["K"], rng.device
+        return {"x": torch.randn(T, K, device=dev, generator=rng).bfloat16(),
+                "q": torch.empty(T, K, device=dev, dtype=torch.uint8), "s": torch.empty(T, device=dev)}
     suffix = op.rsplit("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
     packed = suffix if suffix in FORMATS else None   # linear_q4 / dequant_q4 / linear_swiglu_q4, not linear_swiglu
     if op.startswith("dequant_"):   # T rows of a packed [T, K] matrix
@@ -112,6 +118,19 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         else:
             ts[name] = torch.randn(shape_of(spec, dims), device=rng.device, dtype=torch.float32, generator=rng).to(dt)
     return ts
+
+
+def _make_w8a8(torch, dims, rng):
+    """Per-token E4M3 activation codes (finite: magnitudes below 448, random signs) and scales, a packed fp8 weight."""
+    from ninfer.runtime.formats import nbytes
+    from ninfer.runtime.weights import random_packed
+    T, N, K, dev = dims["T"], dims["N"], dims["K"], rng.device
+    dims["WB"] = nbytes("fp8", (N, K))
+    mag = torch.randint(0, 0x7F, (T, K), device=dev, generator=rng, dtype=torch.uint8)
+    sign = torch.randint(0, 2, (T, K), device=dev, generator=rng, dtype=torch.uint8) << 7
+    return {"xq": mag | sign, "xs": torch.rand(T, device=dev, generator=rng) / 448,
+            "w": random_packed("fp8", (N, K), dev, rng, K ** -0.5).data,
+            "y": torch.empty(T, N, device=dev, dtype=torch.bfloat16)}
 
 
 def _make_gdn(torch, dims, rng):

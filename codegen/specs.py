@@ -15,7 +15,8 @@ from .yamlio import SpecError, load_yaml
 DTYPES = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int", "u8": "unsigned char"}
 PARAM_TYPES = {"f32", "i32"}
 # packed formats whose planes (0: codes, 1: q5 / q6 high bits) a route may read through TMA (runtime/cuda.py)
-PACKED_TMA_PLANES = {"q4": 1, "q5": 2, "q6": 2}
+PACKED_TMA_PLANES = {"q4": 1, "q5": 2, "q6": 2, "fp8": 1}
+TMA_SWIZZLES = ("NONE", "128B")   # of a packed plane's tensor map; a plain tensor's is 128B
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 TILE_RE = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 SCALED_DIM_RE = re.compile(r"^(?:([1-9][0-9]*)\*)?([A-Za-z_][A-Za-z0-9_]*)$")
@@ -244,13 +245,14 @@ def _lower_route(r: Route, op: Op, tile: dict, file: str, path: str) -> dict:
                   f"{op.name}, and `workspace` when the route declares one)")
             out["args"].append(a)
         else:
-            # a plane of a packed weight: `format`, `matrix` (its [rows, cols] as expressions of the dims), `plane`
-            _keys(a, file, f"{path}.args[{i}]", {"tmap", "box"}, {"format", "matrix", "plane"})
+            # a plane of a packed weight: `format`, `matrix` (its [rows, cols] as expressions of the dims), `plane`,
+            # `swizzle` (NONE by default)
+            _keys(a, file, f"{path}.args[{i}]", {"tmap", "box"}, {"format", "matrix", "plane", "swizzle"})
             _need(a["tmap"] in op.inputs or a["tmap"] in op.outputs, file, f"{path}.args[{i}].tmap",
                   f"unknown tensor {a['tmap']!r}")
             box = [int(eval(low(b, f'{path}.args[{i}].box', set()))) for b in a["box"]]  # noqa: S307 constants only
             arg = {"tmap": a["tmap"], "box": box}
-            if "format" in a or "matrix" in a or "plane" in a:
+            if "format" in a or "matrix" in a or "plane" in a or "swizzle" in a:
                 _need("format" in a and "matrix" in a, file, f"{path}.args[{i}]", "`format` and `matrix` go together")
                 _need(a["format"] in PACKED_TMA_PLANES, file, f"{path}.args[{i}].format",
                       f"unknown format {a['format']!r} (allowed: {', '.join(PACKED_TMA_PLANES)})")
@@ -259,8 +261,12 @@ def _lower_route(r: Route, op: Op, tile: dict, file: str, path: str) -> dict:
                 planes = PACKED_TMA_PLANES[a["format"]]
                 _need(a.get("plane", 0) in range(planes), file, f"{path}.args[{i}].plane",
                       f"{a['format']} has no plane {a.get('plane')!r} (allowed: {', '.join(map(str, range(planes)))})")
+                _need(a.get("swizzle", "NONE") in TMA_SWIZZLES, file, f"{path}.args[{i}].swizzle",
+                      f"unknown swizzle {a.get('swizzle')!r} (allowed: {', '.join(TMA_SWIZZLES)})")
                 arg.update(format=a["format"], plane=a.get("plane", 0),
                            matrix=[low(e, f"{path}.args[{i}].matrix[{j}]", dims) for j, e in enumerate(a["matrix"])])
+                if "swizzle" in a:
+                    arg["swizzle"] = a["swizzle"]
             out["args"].append(arg)
     return out
 

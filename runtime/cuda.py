@@ -120,22 +120,29 @@ def _encode_tmap(dtype: str, ptr: int, dims: list, strides: list, box: list, swi
     return desc
 
 
-def encode_tmap_bf16(ptr: int, shape: list, box: list):
-    """A TMA descriptor (bf16, 128-byte swizzle, zero fill) over a contiguous row-major tensor of this shape; shape
-    and box outermost first (e.g. [rows, cols] and [box_rows, box_cols])."""
+TMAP_DTYPES = {"torch.bfloat16": ("BFLOAT16", 2), "torch.uint8": ("UINT8", 1)}
+
+
+def encode_tmap(ptr: int, dtype, shape: list, box: list):
+    """A TMA descriptor (128-byte swizzle, zero fill) over a contiguous row-major bf16 or u8 tensor of this shape;
+    shape and box outermost first (e.g. [rows, cols] and [box_rows, box_cols])."""
+    if str(dtype) not in TMAP_DTYPES:
+        raise ValueError(f"encode_tmap: {dtype} (allowed: {', '.join(TMAP_DTYPES)})")
+    name, size = TMAP_DTYPES[str(dtype)]
     dims, box = [int(d) for d in reversed(shape)], [int(b) for b in reversed(box)]
-    strides, stride = [], 2
+    strides, stride = [], size
     for d in dims[:-1]:
         stride *= d
         strides.append(stride)
-    return _encode_tmap("BFLOAT16", ptr, dims, strides, box, "128B")
+    return _encode_tmap(name, ptr, dims, strides, box, "128B")
 
 
-def encode_tmap_codes(ptr: int, fmt: str, rows: int, cols: int, box_rows: int, box_bytes: int, plane: int = 0):
-    """A 3-D TMA descriptor (u8, no swizzle, zero fill) over one plane of a packed [rows, cols] matrix (rowtile128-v1,
-    specs/formats.md §3; plane 0: the codes, 1: q5 / q6's high bits): dims {the plane's bytes of a row, 128 rows,
-    tiles}, so a box of box_rows rows (a divisor of 128) at (byte, row in tile, tile) stays inside one tile's plane.
-    Whole tiles only."""
+def encode_tmap_codes(ptr: int, fmt: str, rows: int, cols: int, box_rows: int, box_bytes: int, plane: int = 0,
+                      swizzle: str = "NONE"):
+    """A 3-D TMA descriptor (u8, zero fill, no swizzle or 128B) over one plane of a packed [rows, cols] matrix
+    (rowtile128-v1, specs/formats.md §3; plane 0: the codes, 1: q5 / q6's high bits): dims {the plane's bytes of a
+    row, 128 rows, tiles}, so a box of box_rows rows (a divisor of 128) at (byte, row in tile, tile) stays inside one
+    tile's plane. Whole tiles only."""
     from .format_base import PLANE_ALIGN, TILE_ROWS, align_up
     from .formats import get_format
     f = get_format(fmt)
@@ -147,7 +154,7 @@ def encode_tmap_codes(ptr: int, fmt: str, rows: int, cols: int, box_rows: int, b
     offset = sum(align_up(p, PLANE_ALIGN) for p in sizes[:plane])
     row_bytes = f.plane_sizes(1, kp)[plane]
     return _encode_tmap("UINT8", ptr + offset, [row_bytes, TILE_ROWS, rows // TILE_ROWS], [row_bytes, tile],
-                        [box_bytes, box_rows, 1], "NONE")
+                        [box_bytes, box_rows, 1], swizzle)
 
 
 class Launch:

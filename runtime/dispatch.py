@@ -94,6 +94,11 @@ class Backend:
         None where the backend has no such table (the reference backend: none)."""
         return None
 
+    def admits(self, op: str, **dims) -> bool:
+        """Whether this backend runs `op` at these dims (T included): the reference backend every op at any dims; cuda
+        where its table's route at T admits them."""
+        return self.has_op(op)
+
     def takes_packed(self, op: str, **dims) -> bool:
         """Whether `op` (a packed-weight op such as linear_q4) runs at these dims on a route that reads the packed
         matrix in a prefill GEMM (`wgmma_rs*`: decoded inside the GEMM), so the model need not dequantize it first."""
@@ -219,6 +224,9 @@ class CudaBackend(Backend):
         env = {**dims, "SMS": self.device.sm_count}
         return kernel.route if all(evaluate(c, env) for c in kernel.constraints) else None
 
+    def admits(self, op: str, **dims) -> bool:
+        return self.resolved_route(op, **dims) is not None
+
     @contextlib.contextmanager
     def beside(self):
         was, self._side = self._side, True
@@ -252,7 +260,7 @@ class CudaBackend(Backend):
         return self.manifest.kernel(arch, op, route, dtype)
 
     def _plan(self, op: str, *, route: str | None = None, **args):
-        from .cuda import Launch, encode_tmap_bf16, encode_tmap_codes
+        from .cuda import Launch, encode_tmap, encode_tmap_codes
         contract = self.contract(op)
         tensors, params = _split(contract, args)
         dtype = _dtype_of(op, contract, tensors)
@@ -277,14 +285,14 @@ class CudaBackend(Backend):
             elif isinstance(a, dict) and "format" in a:   # a plane of a packed matrix (codes, high bits)
                 rows, cols = (int(evaluate(e, env)) for e in a["matrix"])
                 values.append(encode_tmap_codes(tensors[a["tmap"]].data_ptr(), a["format"], rows, cols, *a["box"],
-                                                plane=a.get("plane", 0)))
+                                                plane=a.get("plane", 0), swizzle=a.get("swizzle", "NONE")))
             elif isinstance(a, dict):   # a box over every dim of the tensor, or over [rows, cols] of a 2-D view
                 t = tensors[a["tmap"]]
                 if not t.is_contiguous():
                     raise ContractError(f"{op}: argument {a['tmap']} must be contiguous (route {kernel.instance} "
                                         f"reads it through a tensor map)")
                 shape = t.shape if len(a["box"]) == t.dim() else (t.shape[0], t.shape[-1])
-                values.append(encode_tmap_bf16(t.data_ptr(), shape, a["box"]))
+                values.append(encode_tmap(t.data_ptr(), t.dtype, shape, a["box"]))
             elif a in tensors:
                 values.append(ctypes.c_uint64(tensors[a].data_ptr()))
             elif a in dims:

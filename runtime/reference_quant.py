@@ -51,6 +51,38 @@ def unpack(fmt: str, w: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.cat(out)[:, :k]
 
 
+def fp8_codes_and_scales(w: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed fp8 [n, k] matrix -> its E4M3 values float32 [n, k] and its row scales float32 [n], unmultiplied."""
+    f = get_format("fp8")
+    if w.numel() != f.nbytes((n, k)):
+        raise ValueError(f"fp8: {w.numel()} bytes given, [{n}, {k}] needs {f.nbytes((n, k))}")
+    kp = align_up(k, K_ALIGN)
+    vals, scales = [], []
+    for st in f.tile_stacks(n, kp):
+        codes, s = st.planes(w)
+        vals.append(codes.contiguous().view(torch.float8_e4m3fn).float().reshape(st.tiles * st.rows, kp))
+        scales.append(s.contiguous().view(torch.float32).reshape(-1))
+    return torch.cat(vals)[:, :k], torch.cat(scales)
+
+
+def quant_fp8_per_token(x):
+    """Per-row E4M3 codes and FP32 scales (specs/ops/quant_fp8_per_token.yaml), in float32 whatever x's dtype."""
+    x = x.float()
+    amax = x.abs().amax(-1)
+    s = torch.where(amax > 0, torch.clamp_min(amax / 448, 2.0 ** -100), torch.zeros_like(amax))
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    q = (x * inv[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    return {"q": q, "s": s}
+
+
+def linear_fp8_w8a8(xq, xs, w, dims):
+    """(E4M3 codes of x) · (E4M3 codes of w)ᵀ, then the token's and the row's scales: in xs's precision (fp32 in the
+    reference backend, fp64 in the tests' oracle)."""
+    codes, ws = fp8_codes_and_scales(w, dims["N"], dims["K"])
+    xv = xq.view(torch.float8_e4m3fn).to(xs.dtype)
+    return {"y": (xv @ codes.to(xs.dtype).T) * xs[:, None] * ws.to(xs.dtype)[None, :]}
+
+
 def _linear_ref(fmt):
     def ref(x, w, dims):
         return linear(x, unpack(fmt, w, dims["N"], dims["K"]).to(x.dtype))
@@ -114,7 +146,7 @@ def _moe_split_refs(fmt):
 
 
 QUANT_REFERENCES = {f.__name__: f for f in [*(_linear_ref(fmt) for fmt in PACKED), *(_dequant_ref(fmt) for fmt in PACKED),
-                                             linear_swiglu_q4,
+                                             linear_swiglu_q4, quant_fp8_per_token, linear_fp8_w8a8,
                                              *(_moe_ref(*p) for p in MOE_PAIRS),
                                              *(f for fmt in PACKED for f in _moe_split_refs(fmt))]}
 ALL_REFERENCES = {**REFERENCES, **QUANT_REFERENCES}

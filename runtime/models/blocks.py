@@ -132,6 +132,22 @@ def takes_packed(be, op: str, **dims) -> bool:
     return on and be.takes_packed(op, **dims)
 
 
+# FP8 weights on FP8 tensor cores (W8A8, as vLLM runs FP8 checkpoints on Hopper): prefill steps from FP8_W8A8_MIN_T
+# tokens quantize the activations per token (quant_fp8_per_token) and run the E4M3 GEMM (linear_fp8_w8a8) where the
+# backend admits it, instead of dequant_fp8 + the bf16 GEMM; the activations' E4M3 rounding (~2^-4 relative) is the
+# price. Off by default until its kernels have run on a GPU (PERF_NOTES.md, session 24); NINFER_FP8_W8A8_MIN_T=256
+# turns it on (A/B runs).
+FP8_W8A8_MIN_T = _env_tokens("NINFER_FP8_W8A8_MIN_T", None)
+
+
+def w8a8(be, x, w) -> bool:
+    """Whether y = x·wᵀ runs on FP8 tensor cores (FP8_W8A8_MIN_T above)."""
+    if FP8_W8A8_MIN_T is None or not isinstance(w, PackedWeight) or w.fmt != "fp8" or x.shape[0] < FP8_W8A8_MIN_T:
+        return False
+    n, k = w.matrix
+    return be.admits("quant_fp8_per_token", T=x.shape[0], K=k) and be.admits("linear_fp8_w8a8", T=x.shape[0], N=n, K=k)
+
+
 def dense_weight(be, x, w):
     """The bf16 matrix a GEMM over x reads: w itself, or a packed weight decoded into scratch from DEQUANT_MIN_T
     tokens (None: below that, too large a scratch, or a format op whose route decodes inside its GEMM; the
@@ -142,6 +158,8 @@ def dense_weight(be, x, w):
     T = x.shape[0]
     if T < DEQUANT_MIN_T or 2 * n * k > DEQUANT_MAX_BYTES or takes_packed(be, f"linear_{w.fmt}", N=n, K=k, T=T):
         return None
+    if w8a8(be, x, w):
+        return None
     dense = new(x, n, k)   # the caching allocator hands the same block back call after call
     be.run(f"dequant_{w.fmt}", w=w.data, y=dense)
     return dense
@@ -149,7 +167,13 @@ def dense_weight(be, x, w):
 
 def linear(be, x, w):
     """y = x·wᵀ; a packed weight goes to its format's op (linear_q4, ...) or, for prefill, to `linear` over its
-    decoded matrix."""
+    decoded matrix (fp8: to the FP8 tensor cores where w8a8 says so)."""
+    if w8a8(be, x, w):
+        T, (n, k) = x.shape[0], w.matrix
+        xq, xs, y = new(x, T, k, dtype=torch.uint8), new(x, T, dtype=torch.float32), new(x, T, n)
+        be.run("quant_fp8_per_token", x=x, q=xq, s=xs)
+        be.run("linear_fp8_w8a8", xq=xq, xs=xs, w=w.data, y=y)
+        return y
     dense = dense_weight(be, x, w)
     if dense is None:
         y = new(x, x.shape[0], w.matrix[0])

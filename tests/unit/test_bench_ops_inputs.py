@@ -162,3 +162,20 @@ def test_decode_figures_are_the_median_step_with_its_spread():
     assert (got["median"], got["p10"], got["p90"]) == (0.050, 0.010, 0.090)
     with pytest.raises(ValueError, match="no decode steps"):
         step_stats([])
+
+
+def test_w8a8_inputs_are_finite_codes_and_run():
+    """linear_fp8_w8a8's inputs: E4M3 codes that are no NaN (0x7F / 0xFF), positive token scales, a packed fp8 weight;
+    quant_fp8_per_token's: a bf16 row per token. Both run on them."""
+    be = ReferenceBackend()
+    rng = torch.Generator().manual_seed(0)
+    for op, dims in (("linear_fp8_w8a8", {"T": 130, "N": 256, "K": 208}), ("quant_fp8_per_token", {"T": 5, "K": 264})):
+        contract = be.contract(op)
+        ts = make_inputs(torch, contract, "bf16", dict(dims), rng, op)
+        assert set(ts) == set(contract["inputs"]) | set(contract["outputs"])
+        be.run(op, **ts)
+        out = ts["y"] if op == "linear_fp8_w8a8" else ts["s"]
+        assert torch.isfinite(out.float()).all() and out.abs().max() > 0
+    codes = make_inputs(torch, be.contract("linear_fp8_w8a8"), "bf16", {"T": 64, "N": 128, "K": 4096}, rng,
+                        "linear_fp8_w8a8")["xq"]
+    assert not ((codes & 0x7F) == 0x7F).any() and (codes >= 0x80).any() and (codes == 0x7E).any()

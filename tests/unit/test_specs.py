@@ -123,9 +123,12 @@ def test_packed_tmap_arg_names_its_format_and_matrix(spec_tree):
     p = specs / "routes" / "linear_q4.yaml"
     edit(p, lambda d: _rs_route(d)["args"][1].update(format="q9"))
     fails(spec_tree, "routes/linear_q4.yaml: routes[")
-    fails(spec_tree, "args[1].format: unknown format 'q9' (allowed: q4, q5, q6)")
+    fails(spec_tree, "args[1].format: unknown format 'q9' (allowed: q4, q5, q6, fp8)")
     edit(p, lambda d: _rs_route(d)["args"][1].update(format="q4", plane=1))
     fails(spec_tree, "args[1].plane: q4 has no plane 1 (allowed: 0)")
+    edit(p, lambda d: _rs_route(d)["args"][1].update(plane=0, swizzle="64B"))
+    fails(spec_tree, "args[1].swizzle: unknown swizzle '64B' (allowed: NONE, 128B)")
+    edit(p, lambda d: _rs_route(d)["args"][1].pop("swizzle"))
     edit(p, lambda d: _rs_route(d)["args"][1].pop("plane"))
     edit(p, lambda d: _rs_route(d)["args"][1].update(format="q4", matrix=["N"]))
     fails(spec_tree, "args[1].matrix: expected [rows, cols]")
