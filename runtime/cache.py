@@ -9,8 +9,10 @@ the end of its prompt. A finished sequence's lane stays retained with its KV pag
 checkpoint (its prompt) and the lane's own (its prompt and the tokens it generated and fed). A later prompt
 that extends either takes the lane over and prefills only the rest: a chat's next turn extends the prompt (the
 template renders turn n + 1 as turn n's prompt plus the answer, its reasoning dropped, and the new message); a
-tool loop's next call can extend the whole generation (reasoning of the current turn is kept). Retained lanes
-and pages are given back, oldest first, whenever a lane or pages are wanted.
+tool loop's next call can extend the whole generation (reasoning of the current turn is kept). The logits of the
+prompt's last token are kept with the checkpoint, so the same prompt again (a retry, a regenerated answer) runs
+nothing before its first token. Retained lanes and pages are given back, oldest first, whenever a lane or pages are
+wanted.
 
 Prefix snapshots: a prompt may name a position to snapshot (the server names the end of its first turn, the
 system prompt and tool list that a new conversation repeats). The KV of the tokens before it is copied into pages
@@ -79,6 +81,9 @@ class SequenceCache:
         self.prefix_caching = prefix_caching
         self.checkpoints = {i: (conv[:max_seqs].clone(), state[:max_seqs].clone())
                             for i, (conv, state) in self.gdn.items()} if prefix_caching else {}
+        # the logits of each checkpoint's last token (a row of the model's dtype), and the tokens they follow
+        self.checkpoint_logits = torch.zeros(max_seqs if prefix_caching else 0, cfg.vocab, dtype=dtype, device=device)
+        self.logits_after: dict[int, int] = {}
         self.retained: dict[int, Retained] = {}
         # prefix snapshots (oldest first) and their GDN state slots
         self.snapshot_states = {i: (conv[:prefix_snapshots].clone(), state[:prefix_snapshots].clone())
@@ -91,7 +96,7 @@ class SequenceCache:
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for pair in (*self.kv.values(), *self.gdn.values(), *self.checkpoints.values(),
-                                *self.snapshot_states.values()) for t in pair)
+                                *self.snapshot_states.values(), (self.checkpoint_logits,)) for t in pair)
 
     def admit(self, total_tokens: int) -> None:
         """Refuse up front what could never fit, whatever else is running."""
@@ -126,9 +131,12 @@ class SequenceCache:
         pages.clear()
 
     # -- prefix caching --------------------------------------------------------------------------------
-    def checkpoint(self, slot: int) -> None:
-        """Keep the slot's state (the end of its prompt) for prefix caching."""
+    def checkpoint(self, slot: int, logits: torch.Tensor, tokens: int) -> None:
+        """Keep the slot's state at the end of its prompt of `tokens` tokens, and the logits of its last token (a
+        [vocab] row), for prefix caching."""
         _copy_states(self.checkpoints, slot, self.gdn, slot)
+        self.checkpoint_logits[slot].copy_(logits)
+        self.logits_after[slot] = tokens
 
     def retain(self, slot: int, tokens: list[int], checkpointed: int, live: bool, pages: list[int]) -> None:
         """Keep a finished sequence's lane: the KV pages of `tokens` (the rest go back to the pool), its checkpoint
@@ -140,10 +148,13 @@ class SequenceCache:
 
     def take_prefix(self, prompt: list[int]) -> tuple[int, list[int], int, int] | None:
         """The retained state covering the most tokens that `prompt` extends (by at least one token, whose logits
-        the caller needs): (slot, the KV pages, the tokens they hold, the tokens the slot's checkpoint covers), the
-        slot's state restored from its checkpoint where that is the state taken; None when there is none."""
+        the caller needs, or by none where a checkpoint of the whole prompt kept them: checkpoint_logits): (slot,
+        the KV pages, the tokens they hold, the tokens the slot's checkpoint covers), the slot's state restored from
+        its checkpoint where that is the state taken; None when there is none."""
+        def reach(s: int, n: int, live: bool) -> bool:
+            return n < len(prompt) or (not live and n == len(prompt) and self.logits_after.get(s) == n)
         best = max(((n, live, s) for s, r in self.retained.items() for n, live in r.anchors()
-                    if 0 < n < len(prompt) and prompt[:n] == r.tokens[:n]), default=None)
+                    if 0 < n and reach(s, n, live) and prompt[:n] == r.tokens[:n]), default=None)
         if best is None:
             return None
         n, live, slot = best
@@ -213,8 +224,8 @@ class SequenceCache:
 
     # -- lane images (ninfer-serve --slot-save-path) -------------------------------------------------------
     def export_lane(self, slot: int) -> tuple[dict, dict]:
-        """A retained lane as host tensors (its KV pages, its checkpoint, its own state when live) and metadata;
-        KeyError when the slot holds no retained lane."""
+        """A retained lane as host tensors (its KV pages, its checkpoint and the logits kept with it, its own state
+        when live) and metadata; KeyError when the slot holds no retained lane."""
         r = self.retained[slot]
         idx = torch.tensor(r.pages, device=self.device)
         out = {}
@@ -225,6 +236,8 @@ class SequenceCache:
             out[f"gdn.{i}.checkpoint.state"] = self.checkpoints[i][1][slot].cpu()
             if r.live:
                 out[f"gdn.{i}.conv"], out[f"gdn.{i}.state"] = conv[slot].cpu(), state[slot].cpu()
+        if self.logits_after.get(slot) == r.checkpointed:
+            out["checkpoint.logits"] = self.checkpoint_logits[slot].cpu()
         return out, {"tokens": r.tokens, "checkpointed": r.checkpointed, "live": r.live, "page_size": self.page_size}
 
     def import_lane(self, slot: int, tensors: dict, meta: dict) -> None:
@@ -242,6 +255,8 @@ class SequenceCache:
             parts = ("checkpoint.", "") if live else ("checkpoint.",)
             for p in parts:
                 want[f"gdn.{i}.{p}conv"], want[f"gdn.{i}.{p}state"] = (conv.shape[1:], conv.dtype), (state.shape[1:], state.dtype)
+        if "checkpoint.logits" in tensors:   # the prompt's last logits (images of lanes that kept them)
+            want["checkpoint.logits"] = (self.checkpoint_logits.shape[1:], self.checkpoint_logits.dtype)
         if meta.get("page_size") != self.page_size or not 0 < checkpointed <= len(tokens):
             raise ValueError(f"the image's page size {meta.get('page_size')} or checkpoint does not fit this server "
                              f"(page size {self.page_size})")
@@ -267,6 +282,10 @@ class SequenceCache:
             if live:
                 conv[slot].copy_(tensors[f"gdn.{i}.conv"])
                 state[slot].copy_(tensors[f"gdn.{i}.state"])
+        self.logits_after.pop(slot, None)
+        if "checkpoint.logits" in tensors:
+            self.checkpoint_logits[slot].copy_(tensors["checkpoint.logits"])
+            self.logits_after[slot] = checkpointed
         self.retained[slot] = Retained(tokens, checkpointed, live, pages)
 
     def erase_lane(self, slot: int) -> int:

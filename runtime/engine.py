@@ -278,13 +278,16 @@ class Engine:
         b = min(a + min(max_tokens or self.prefill_chunk, self.prefill_chunk), n)
         if a < seq.snapshot_at < b:   # the chunk ends where the snapshot is to be taken
             b = seq.snapshot_at
-        logits = self._step([seq], [(a, b)])
+        if a == n:   # the whole prompt is cached, its last token's logits with it (SequenceCache.take_prefix)
+            logits = self.cache.checkpoint_logits[seq.slot:seq.slot + 1].clone()   # a fresh, aligned row
+        else:
+            logits = self._step([seq], [(a, b)])
         seq.prefilled = b
         if b == seq.snapshot_at:
             self.cache.snapshot(seq.slot, seq.pages, seq.prompt[:b])
         if b == n:
-            if self.cache.prefix_caching:
-                self.cache.checkpoint(seq.slot)
+            if self.cache.prefix_caching and a < n:
+                self.cache.checkpoint(seq.slot, logits[0], n)
             if seq.max_new > 0:
                 self._accept(seq, self._pick(logits, [seq])[0])
             else:

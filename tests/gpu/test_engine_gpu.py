@@ -317,7 +317,8 @@ def test_fp8_kv_cache_matches_the_reference_backend(kind):
 def test_prefix_caching_gives_the_same_model(kind):
     """A next prompt that takes over a finished request's lane (its KV pages; its GDN state restored from the
     prompt's checkpoint on the device, or the lane's own state after the tokens it fed; the graphs then read that
-    lane), or that starts a lane from a prefix snapshot (KV pages and GDN state copied on the device). From the
+    lane), or that starts a lane from a prefix snapshot (KV pages and GDN state copied on the device), or repeats a
+    prompt whose checkpoint kept its last token's logits (nothing run before the first token). From the
     checkpoint or the snapshot, both engines run the same chunks, so the tokens must be equal; from the lane's own
     state, its generated tokens were run by decode steps, not by a prefill chunk, so the next logits are compared
     within model_bf16."""
@@ -349,6 +350,8 @@ def test_prefix_caching_gives_the_same_model(kind):
             eng.release(other, retain=False)
             fresh = eng.generate([first + [52, 53, 54]], max_new=16)[0]               # a new conversation
             assert fresh.cached == (len(first) if cached else 0)
+            same = eng.generate([first + [52, 53, 54]], max_new=16)[0]   # a retry: its last token's logits kept
+            assert same.cached == (len(first) + 3 if cached else 0) and same.generated == fresh.generated
             runs.append([s.generated for s in seqs] + [fresh.generated])
             assert eng.cache.in_use == (0, 0)
         finally:

@@ -45,6 +45,10 @@ def test_a_saved_slot_restored_in_another_server_serves_the_next_turn(demo_artif
         status, restored = second.post_json("/slots/1?action=restore", {"filename": "river.bin"})
         assert status == 200 and restored["n_restored"] == saved["n_saved"] and restored["n_read"] == saved["n_written"]
         assert retained_slot(second) == 1
+        again = ask(second, TURN1)   # the same prompt: the image kept its last token's logits, so nothing runs
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens == r1.usage.prompt_tokens
+        assert again.choices[0].message.content == r1.choices[0].message.content
+        second.wait_idle()
         got = ask(second, TURN2)
         assert got.usage.prompt_tokens_details.cached_tokens == want.usage.prompt_tokens_details.cached_tokens
         assert got.choices[0].message.content == want.choices[0].message.content

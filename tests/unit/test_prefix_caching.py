@@ -5,7 +5,7 @@ prompts must come back whenever they are wanted."""
 import pytest
 import torch
 
-from ninfer.runtime.engine import Engine
+from ninfer.runtime.engine import GREEDY, Engine, SamplingParams
 
 PROMPT = [(7 * i + 3) % 200 + 10 for i in range(21)]   # 21 tokens: the pages of 8 end mid-page
 
@@ -79,18 +79,35 @@ def test_a_prompt_that_extends_the_whole_generation_starts_from_the_lanes_own_st
     assert finish(cached, a).generated == finish(plain, b).generated
 
 
-def test_the_longest_retained_prefix_wins_and_a_repeated_prompt_does_not_take_its_own_lane(engines):
+def test_the_longest_retained_prefix_wins(engines):
     cached, _ = engines
     short, long = run(cached, PROMPT[:9]), run(cached, PROMPT[:17])   # both running: neither takes the other's lane
     finish(cached, short)
     finish(cached, long)
     assert sorted(r.checkpointed for r in cached.cache.retained.values()) == [9, 17]
-    again = run(cached, PROMPT[:17])          # its own lane would leave no token to prefill for the logits
-    assert again.cached == 9
-    finish(cached, again)
     longer = run(cached, PROMPT)
     assert longer.cached == 17
     finish(cached, longer)
+
+
+def test_the_same_prompt_again_runs_nothing_before_its_first_token(engines, monkeypatch):
+    """A retry or a regenerated answer: the checkpoint covers the whole prompt and keeps its last token's logits, so
+    no token is run; the state, the KV and the answer (greedy, and sampled with the same seed) are a full prefill's.
+    The answer's own tokens (the lane's state) cannot serve it: that state is past the prompt."""
+    cached, plain = engines
+    ran, step = [], cached._step
+    for sp in (GREEDY, SamplingParams(temperature=0.8, top_k=20, seed=5)):
+        finish(cached, run_with(cached, PROMPT[:19], 4, sp))
+        monkeypatch.setattr(cached, "_step", lambda *a, **k: ran.append(a) or step(*a, **k))   # count model runs
+        again = run_with(cached, PROMPT[:19], 4, sp)
+        monkeypatch.undo()
+        full = run_with(plain, PROMPT[:19], 4, sp)
+        assert again.cached == 19 and not ran and again.generated == full.generated[:1]
+        assert_same_state(cached, again, plain, full, 19)
+        assert finish(cached, again).generated == finish(plain, full).generated
+        third = run_with(cached, PROMPT[:19], 4, sp)   # the lane it ran in serves it again
+        assert third.cached == 19
+        assert finish(cached, third).generated == full.generated
 
 
 def test_retained_lanes_and_pages_come_back_when_wanted(demo_artifact):
