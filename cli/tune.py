@@ -94,12 +94,15 @@ def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
     """stored: tensor name -> (shape, format). A packed matrix runs linear_<format> (decode) and, from
     DEQUANT_MIN_T tokens on, the bf16 `linear` over its decoded copy (prefill); a float one runs `linear`.
     A tied lm_head is the embedding table; GDN b|a is one bf16 projection, and GDN qkv|z one where their
-    storage joins (models/blocks.py: decode runs the joined matrix, prefill its two row views, so both count)."""
+    storage joins (models/blocks.py: decode runs the joined matrix, prefill its two row views, so both count).
+    With FP8 prefill on the FP8 tensor cores (NINFER_FP8_W8A8_MIN_T), an fp8 matrix whose shape the E4M3 GEMM
+    admits runs linear_fp8_w8a8 too, after quant_fp8_per_token of its input ({K})."""
+    from ninfer.runtime.models import blocks
     from ninfer.runtime.models.blocks import DEQUANT_MAX_BYTES
     from ninfer.runtime.paths import ROOT
     from ninfer.runtime.reference_quant import PACKED
     from ninfer.runtime.weights import can_cat_rows
-    out, stored = set(), dict(stored)
+    out, quant, stored = set(), set(), dict(stored)
     if "lm_head" not in stored and cfg.tied_embeddings:
         stored["lm_head"] = stored["embed"]
     for qkv in [n for n in stored if n.endswith("gdn.in_qkv")]:   # GatedDeltaNet.fuse_weights
@@ -114,6 +117,9 @@ def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
             out.add((f"linear_{fmt}", s[0], s[1]))
         if fmt not in PACKED or 2 * s[0] * s[1] <= DEQUANT_MAX_BYTES:
             out.add(("linear", s[0], s[1]))
+        if fmt == "fp8" and blocks.FP8_W8A8_MIN_T is not None and s[0] % 128 == 0 and s[1] % 16 == 0:
+            out.add(("linear_fp8_w8a8", s[0], s[1]))
+            quant.add(s[1])
     if not all(cfg.is_attention(i) for i in range(cfg.layers)):
         out.add(("linear", 2 * cfg.v_heads, cfg.hidden))
     # a packed [gate | up] matrix of a dense MLP (or a MoE's shared expert) also runs linear_swiglu_<fmt>, where
@@ -121,7 +127,8 @@ def linear_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
     swiglu = sorted({(f"linear_swiglu_{fmt}", s[0] // 2, s[1]) for name, (s, fmt) in stored.items()
                      if name.endswith("gate_up") and len(s) == 2 and fmt in PACKED
                      and (ROOT / "specs" / "ops" / f"linear_swiglu_{fmt}.yaml").is_file()})
-    return [(op, {"N": n, "K": k}) for op, n, k in sorted(out)] + [(op, {"I": i, "K": k}) for op, i, k in swiglu]
+    return ([(op, {"N": n, "K": k}) for op, n, k in sorted(out)] + [(op, {"I": i, "K": k}) for op, i, k in swiglu]
+            + [("quant_fp8_per_token", {"K": k}) for k in sorted(quant)])
 
 
 def expert_problems(cfg, stored: dict) -> list[tuple[str, dict]]:

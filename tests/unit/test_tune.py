@@ -135,6 +135,18 @@ def test_problems_include_the_prefill_gemm_of_each_packed_matrix():
     assert {op for op, _ in bf16} == {"linear"} and shapes(bf16) == shapes(gemms)
 
 
+def test_fp8_problems_include_the_fp8_tensor_core_gemm_where_it_runs(monkeypatch):
+    """With NINFER_FP8_W8A8_MIN_T, an fp8 model's prefill quantizes each linear's input and runs the E4M3 GEMM
+    (models/blocks.py w8a8): those problems are tuned too; without it, they are not."""
+    from ninfer.runtime.models import blocks
+    assert not [p for p in model_problems("qwen3.6-27b", "fp8") if p[0] in ("linear_fp8_w8a8", "quant_fp8_per_token")]
+    monkeypatch.setattr(blocks, "FP8_W8A8_MIN_T", 256)
+    got = model_problems("qwen3.6-27b", "fp8")
+    assert ("linear_fp8_w8a8", {"N": 34816, "K": 5120}) in got and ("linear_fp8_w8a8", {"N": 5120, "K": 17408}) in got
+    assert ("linear_fp8", {"N": 34816, "K": 5120}) in got   # decode still runs the packed GEMV
+    assert [p for o, p in got if o == "quant_fp8_per_token"] == [{"K": 5120}, {"K": 6144}, {"K": 17408}]
+
+
 def test_artifact_problems_follow_each_tensors_stored_format(demo_artifact):
     """The demo artifact mixes formats as the recipes do (q4, q5, bf16 b/a, a q6 embedding table tied to the
     lm_head): every packed matrix is tuned in its own format."""
