@@ -4,6 +4,8 @@ Starts `ninfer-serve` on an artifact (by default one with random weights at the 
 35B-A3B shape, written once under --workdir) and drives it with streaming OpenAI chat requests:
   prefill: one request per prompt length, max_tokens 1; the time to the end of the response is the time
            to the first token (TTFT), prompt tokens / TTFT the prefill rate;
+  retry:   after each prefill request, the same request again (a retried or regenerated answer): its TTFT with
+           the prompt's last-token logits kept by the prefix cache;
   next turn: after each prefill request, the conversation's next turn (that prompt, a short answer, a
            --next-turn-token message): its TTFT and the prompt tokens the server took from its prefix cache;
   shared system turn: two new conversations that open with the same --shared-system-token system prompt: the
@@ -173,9 +175,9 @@ def decode_rate(streams: list[dict]) -> tuple[float, float]:
 
 
 async def drive(url: str, prompts: list[int], concurrency: list[int], decode_prompt: int, max_tokens: int,
-                next_turn: int = 0, shared_system: int = 0) -> dict:
+                next_turn: int = 0, shared_system: int = 0, retry: bool = False) -> dict:
     import aiohttp
-    out = {"prefill": [], "next_turn": [], "shared_system": [], "decode": []}
+    out = {"prefill": [], "retry": [], "next_turn": [], "shared_system": [], "decode": []}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         # warm-up at the first prompt length: first-call costs (kernel modules, the prefill routes' scratch
@@ -188,6 +190,12 @@ async def drive(url: str, prompts: list[int], concurrency: list[int], decode_pro
             out["prefill"].append({"prompt_tokens": r["prompt_tokens"], "ttft_s": ttft,
                                    "tok_s": r["prompt_tokens"] / ttft})
             click.echo(f"# ninfer prefill {r['prompt_tokens']} tokens: TTFT {ttft:.3f} s", err=True)
+            if retry:
+                t = await _stream(s, url, first, 1, 1)
+                out["retry"].append({"prompt_tokens": t["prompt_tokens"], "cached_tokens": t["cached_tokens"],
+                                     "ttft_s": t["end"] - t["start"]})
+                click.echo(f"# ninfer retry {t['prompt_tokens']} tokens ({t['cached_tokens']} cached): TTFT "
+                           f"{t['end'] - t['start']:.3f} s", err=True)
             if next_turn:
                 turn = [{"role": "user", "content": first}, {"role": "assistant", "content": NEXT_ANSWER},
                         {"role": "user", "content": prompt_text(next_turn, 500 + i)}]
@@ -319,6 +327,9 @@ def table(result: dict) -> str:
             if p is not None:
                 line += f"{cell(p, key, 'peak_frac'):>37}" + (f"{x:>8.1f}x" if key == "tok_s" and x else "")
             lines.append(line)
+    for r in ours.get("retry", []):   # the same request again
+        label = f"retry {r['prompt_tokens']}"
+        lines.append(f"{label + ' TTFT':<22}{cell(r, 'ttft_s', '') + ' (%d cached)' % r['cached_tokens']:>22}")
     for r in ours.get("next_turn", []):   # the peer keeps no cache between calls: its TTFT is a full prefill's
         label = f"next turn {r['prompt_tokens']}"
         lines.append(f"{label + ' TTFT':<22}{cell(r, 'ttft_s', '') + ' (%d cached)' % r['cached_tokens']:>22}")
@@ -372,9 +383,11 @@ def _ints(text: str, what: str, lo: int = 1, hi: int | None = None) -> list[int]
 @click.option("--shared-system", type=click.IntRange(0), default=8192, show_default=True,
               help="two new conversations opening with one system prompt of about this many tokens (the second's "
                    "TTFT with ninfer-serve's prefix snapshot; 0: none)")
+@click.option("--retry/--no-retry", default=True, show_default=True,
+              help="after each prefill request, the same request again (TTFT with its logits kept by the prefix cache)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tokens, backend, peer, workdir,
-              resources_from, startup_timeout, kv_cache_dtype, next_turn, shared_system, json_out) -> None:
+              resources_from, startup_timeout, kv_cache_dtype, next_turn, shared_system, retry, json_out) -> None:
     """Prefill / TTFT and aggregate decode through ninfer-serve over HTTP, beside a transformers peer."""
     import torch
 
@@ -404,7 +417,8 @@ def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tok
     max_context = max(max(prompt_lens) + next_turn + 64, shared_system + 128, decode_prompt) + max_tokens + 64
     with Server(artifact, backend=backend, max_concurrency=max(levels), max_context=max_context,
                 startup_timeout=startup_timeout, kv_cache_dtype=kv_cache_dtype) as srv:
-        ours = asyncio.run(drive(srv.url, prompt_lens, levels, decode_prompt, max_tokens, next_turn, shared_system))
+        ours = asyncio.run(drive(srv.url, prompt_lens, levels, decode_prompt, max_tokens, next_turn, shared_system,
+                                 retry))
     add_rooflines(ours, cfg, fmt, ceilings, kv_element_bytes(kv_cache_dtype))
     result = {"artifact": str(artifact), "weights": fmt, "kv_cache_dtype": kv_cache_dtype,
               "backend": "cuda" if gpu else "reference",

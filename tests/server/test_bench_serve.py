@@ -26,6 +26,10 @@ def test_serve_bench_against_transformers(demo_artifact, tmp_path):
     assert [abs(p["prompt_tokens"] - n) <= 6 for p, n in zip(ours["prefill"], (40, 120))] == [True, True]
     for p in ours["prefill"]:
         assert p["ttft_s"] > 0 and p["tok_s"] == pytest.approx(p["prompt_tokens"] / p["ttft_s"])
+    # the same request again took the whole prompt from the prefix cache (its last token's logits with it)
+    for p, t in zip(ours["prefill"], ours["retry"], strict=True):
+        assert t["prompt_tokens"] == t["cached_tokens"] == p["prompt_tokens"] and t["ttft_s"] > 0
+    assert f"retry {ours['retry'][0]['prompt_tokens']} TTFT" in r.stdout
     # each prefill request's next turn took that prompt from the prefix cache and prefilled only the rest
     for p, t in zip(ours["prefill"], ours["next_turn"], strict=True):
         assert t["after_tokens"] == t["cached_tokens"] == p["prompt_tokens"] and t["ttft_s"] > 0

@@ -13,7 +13,7 @@ from ninfer.runtime.manifest import Manifest
 
 ARCHS = ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_120a"]
 CC = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90a": 90, "sm_120a": 120}
-SM89_ONLY = {"kv_cache_write_fp8.cu.j2"}   # E4M3 conversions (cvt ... e4m3x2): sm_89 and newer
+SM89_ONLY = {"kv_cache_write_fp8.cu.j2", "quant_fp8_per_token.cu.j2"}   # E4M3 conversions (cvt ... e4m3x2): sm_89+
 
 
 @pytest.fixture(scope="module")
