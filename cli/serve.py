@@ -94,6 +94,10 @@ def shout(text: str) -> None:
               help="With prefix caching: keep the system turn (system prompt and tools, from 256 tokens) of this many "
                    "recent prompts, so a new conversation that repeats it prefills only the rest (one more GDN state "
                    "each; their KV pages are given back when wanted). 0: none.")
+@click.option("--cache-ram", "cache_ram_mib", type=click.IntRange(0), default=0, show_default=True,
+              help="With prefix caching: host memory (MiB) for the lanes it gives back (their KV pages and GDN "
+                   "states, copied out), so more conversations than lanes keep their prefixes; a prompt that one "
+                   "serves best is copied back into a lane (llama.cpp's --cache-ram). 0: off.")
 @click.option("--slot-save-path", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for llama.cpp-style POST /slots/{id}?action=save|restore|erase: a slot retained by prefix "
                    "caching (a finished prompt's KV pages and GDN states) to or from a file there, e.g. to keep a "
@@ -101,7 +105,7 @@ def shout(text: str) -> None:
 def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_context, max_pending_requests,
          pending_timeout_ms, max_request_mib, default_max_tokens, request_log_jsonl, request_log_max_mib,
          request_log_keep, tolerant_tool_calls, chat_template, backend, prefill_chunk, prefill_chunk_decoding,
-         kv_cache_dtype, enable_prefix_caching, prefix_snapshots, slot_save_path):
+         kv_cache_dtype, enable_prefix_caching, prefix_snapshots, cache_ram_mib, slot_save_path):
     """Serve ARTIFACT (a .ninfer file) over OpenAI Chat Completions, OpenAI Responses and Anthropic Messages."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if demo == (artifact is not None):
@@ -124,7 +128,8 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
                           tolerant=tolerant_tool_calls, template=chat_template, backend=backend,
                           prefill_chunk=prefill_chunk, prefill_chunk_decoding=prefill_chunk_decoding,
                           kv_cache_dtype=kv_cache_dtype, prefix_caching=enable_prefix_caching,
-                          prefix_snapshots=prefix_snapshots, slot_save_path=slot_save_path, demo=demo))
+                          prefix_snapshots=prefix_snapshots, cache_ram_mib=cache_ram_mib,
+                          slot_save_path=slot_save_path, demo=demo))
     except KeyboardInterrupt:
         pass
 
@@ -132,8 +137,8 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
 def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending, pending_timeout_ms,
                 max_request_mib=64.0, default_max_tokens=8192, log_path=None, log_max_mib=64.0, log_keep=3,
                 tolerant=False, template=None, backend="auto", prefill_chunk=4096, prefill_chunk_decoding=512,
-                kv_cache_dtype="auto", prefix_caching=True, prefix_snapshots=2, slot_save_path=None, api_key=None,
-                engine=None):
+                kv_cache_dtype="auto", prefix_caching=True, prefix_snapshots=2, cache_ram_mib=0, slot_save_path=None,
+                api_key=None, engine=None):
     """Engine, scheduler and server state (also what tests start in-process)."""
     from ninfer.runtime.artifact import ArtifactError
     from ninfer.runtime.chat import ChatError
@@ -149,7 +154,8 @@ def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending
         if engine is None:
             engine = Engine(artifact, backend=backend, max_context=max_context, max_seqs=max_concurrency,
                             prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
-                            prefix_snapshots=prefix_snapshots if prefix_caching else 0)
+                            prefix_snapshots=prefix_snapshots if prefix_caching else 0,
+                            cache_ram_bytes=cache_ram_mib << 20)
         text = ModelText(engine.art, template)
     except (ArtifactError, EngineError, TokenizerError, ChatError, OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None

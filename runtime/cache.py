@@ -14,6 +14,11 @@ prompt's last token are kept with the checkpoint, so the same prompt again (a re
 nothing before its first token. Retained lanes and pages are given back, oldest first, whenever a lane or pages are
 wanted.
 
+Host RAM (optional, llama.cpp's --cache-ram): a retained lane given back for its lane or pages is first copied to
+host memory (export_lane's image) within a byte budget, oldest images dropped first; a later prompt that one of them
+serves further than any retained lane brings it back into a lane (import_lane) before the lane is taken. Many more
+conversations than lanes then keep their prefixes.
+
 Prefix snapshots: a prompt may name a position to snapshot (the server names the end of its first turn, the
 system prompt and tool list that a new conversation repeats). The KV of the tokens before it is copied into pages
 of the snapshot's own and the GDN state into one of a few snapshot slots; a later prompt that starts with those
@@ -53,6 +58,20 @@ class Retained:
 
 
 @dataclass
+class HostLane:
+    """A retained lane's image in host memory (export_lane): its tensors, metadata and bytes."""
+    tensors: dict
+    meta: dict
+    nbytes: int
+
+    def anchors(self):
+        """(tokens covered, by the lane's own state, the checkpoint's logits kept) as Retained.anchors gives them."""
+        live, n = self.meta["live"], len(self.meta["tokens"])
+        return ([(n, True, False)] if live else []) + [(self.meta["checkpointed"], False,
+                                                       "checkpoint.logits" in self.tensors)]
+
+
+@dataclass
 class Snapshot:
     """A prompt prefix kept for any later prompt that starts with it: the KV of `tokens` in `pages`, the GDN state
     after them in snapshot slot `index`."""
@@ -64,7 +83,7 @@ class Snapshot:
 class SequenceCache:
     def __init__(self, cfg: HybridConfig, *, max_seqs: int, max_context: int, page_size: int, device,
                  dtype: torch.dtype, num_pages: int | None = None, kv_dtype: torch.dtype | None = None,
-                 prefix_caching: bool = False, prefix_snapshots: int = 0):
+                 prefix_caching: bool = False, prefix_snapshots: int = 0, cache_ram_bytes: int = 0):
         self.cfg, self.page_size, self.max_context, self.max_seqs = cfg, page_size, max_context, max_seqs
         self.device = torch.device(device)
         self.pages_per_seq = -(-max_context // page_size)
@@ -85,6 +104,9 @@ class SequenceCache:
         self.checkpoint_logits = torch.zeros(max_seqs if prefix_caching else 0, cfg.vocab, dtype=dtype, device=device)
         self.logits_after: dict[int, int] = {}
         self.retained: dict[int, Retained] = {}
+        # images of retained lanes given back, in host memory (oldest first), within cache_ram_bytes
+        self.cache_ram_bytes = cache_ram_bytes if prefix_caching else 0
+        self.host_lanes: list[HostLane] = []
         # prefix snapshots (oldest first) and their GDN state slots
         self.snapshot_states = {i: (conv[:prefix_snapshots].clone(), state[:prefix_snapshots].clone())
                                 for i, (conv, state) in self.gdn.items()} if prefix_snapshots else {}
@@ -151,10 +173,9 @@ class SequenceCache:
         the caller needs, or by none where a checkpoint of the whole prompt kept them: checkpoint_logits): (slot,
         the KV pages, the tokens they hold, the tokens the slot's checkpoint covers), the slot's state restored from
         its checkpoint where that is the state taken; None when there is none."""
-        def reach(s: int, n: int, live: bool) -> bool:
-            return n < len(prompt) or (not live and n == len(prompt) and self.logits_after.get(s) == n)
+        self._from_host(prompt)
         best = max(((n, live, s) for s, r in self.retained.items() for n, live in r.anchors()
-                    if 0 < n and reach(s, n, live) and prompt[:n] == r.tokens[:n]), default=None)
+                    if _serves(prompt, r.tokens, n, live, self.logits_after.get(s) == n)), default=None)
         if best is None:
             return None
         n, live, slot = best
@@ -230,14 +251,14 @@ class SequenceCache:
         idx = torch.tensor(r.pages, device=self.device)
         out = {}
         for i, (k, v) in self.kv.items():
-            out[f"kv.{i}.k"], out[f"kv.{i}.v"] = k[idx].cpu(), v[idx].cpu()
+            out[f"kv.{i}.k"], out[f"kv.{i}.v"] = _host(k[idx]), _host(v[idx])
         for i, (conv, state) in self.gdn.items():
-            out[f"gdn.{i}.checkpoint.conv"] = self.checkpoints[i][0][slot].cpu()
-            out[f"gdn.{i}.checkpoint.state"] = self.checkpoints[i][1][slot].cpu()
+            out[f"gdn.{i}.checkpoint.conv"] = _host(self.checkpoints[i][0][slot])
+            out[f"gdn.{i}.checkpoint.state"] = _host(self.checkpoints[i][1][slot])
             if r.live:
-                out[f"gdn.{i}.conv"], out[f"gdn.{i}.state"] = conv[slot].cpu(), state[slot].cpu()
+                out[f"gdn.{i}.conv"], out[f"gdn.{i}.state"] = _host(conv[slot]), _host(state[slot])
         if self.logits_after.get(slot) == r.checkpointed:
-            out["checkpoint.logits"] = self.checkpoint_logits[slot].cpu()
+            out["checkpoint.logits"] = _host(self.checkpoint_logits[slot])
         return out, {"tokens": r.tokens, "checkpointed": r.checkpointed, "live": r.live, "page_size": self.page_size}
 
     def import_lane(self, slot: int, tensors: dict, meta: dict) -> None:
@@ -305,8 +326,47 @@ class SequenceCache:
 
     def _evict(self) -> None:
         slot, r = next(iter(self.retained.items()))
+        if self.cache_ram_bytes:
+            self._to_host(slot)
         del self.retained[slot]
         self.release(slot, r.pages)
+
+    # -- host RAM (--cache-ram) ----------------------------------------------------------------------------
+    def _to_host(self, slot: int) -> None:
+        """Keep an image of the retained lane in host memory, dropping the oldest images beyond the budget."""
+        tensors, meta = self.export_lane(slot)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if nbytes > self.cache_ram_bytes:
+            return
+        self.host_lanes.append(HostLane(tensors, meta, nbytes))
+        while self.host_bytes > self.cache_ram_bytes:
+            self.host_lanes.pop(0)
+
+    def _from_host(self, prompt: list[int]) -> None:
+        """Bring back into a lane the host image that serves `prompt` furthest, when it serves it further than every
+        retained lane; it stays in host memory when no lane or not enough pages can be had."""
+        if not self.host_lanes:
+            return
+        on_gpu = max((n for s, r in self.retained.items() for n, live in r.anchors()
+                      if _serves(prompt, r.tokens, n, live, self.logits_after.get(s) == n)), default=0)
+        n, i = max(((n, i) for i, h in enumerate(self.host_lanes) for n, live, logits in h.anchors()
+                    if _serves(prompt, h.meta["tokens"], n, live, logits)), default=(0, -1))
+        if n <= on_gpu:
+            return
+        lane = self.host_lanes.pop(i)
+        if not self.free_slots and self.retained:
+            self._evict()   # the oldest retained lane's image goes to host memory in its place
+        if self.free_slots:
+            try:
+                self.import_lane(self.free_slots[-1], lane.tensors, lane.meta)
+                return
+            except CapacityError:
+                pass
+        self.host_lanes.append(lane)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(h.nbytes for h in self.host_lanes)
 
     @property
     def available_pages(self) -> int:
@@ -324,6 +384,18 @@ class SequenceCache:
         lanes and their pages and snapshot pages are not counted: they are given back on demand)."""
         return (self.max_seqs - len(self.free_slots) - len(self.retained),
                 self.num_pages - len(self.free_pages) - self.kept_pages)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory (`.cpu()` of a CPU tensor would be the tensor itself, which the lane overwrites)."""
+    return t.to("cpu", copy=True)
+
+
+def _serves(prompt: list[int], tokens: list[int], n: int, live: bool, logits: bool) -> bool:
+    """Whether a state after tokens[:n] (the lane's own when live) can start `prompt`: its first n tokens are those,
+    and at least one token is left to run for the logits, or none where the checkpoint kept them (logits)."""
+    reach = n < len(prompt) or (not live and logits and n == len(prompt))
+    return 0 < n and reach and prompt[:n] == tokens[:n]
 
 
 def _copy_states(dst: dict, di: int, src: dict, si: int) -> None:

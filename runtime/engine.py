@@ -111,7 +111,7 @@ class Engine:
     def __init__(self, artifact_path, *, backend: str = "auto", max_context: int = 4096, max_seqs: int = 8,
                  page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
                  cuda_graphs: bool = True, packed_weights: bool | None = None, kv_cache_dtype: str = "auto",
-                 prefix_caching: bool = False, prefix_snapshots: int = 0):
+                 prefix_caching: bool = False, prefix_snapshots: int = 0, cache_ram_bytes: int = 0):
         """packed_weights: keep q4/q5/q6/w8/fp8 matrices packed (the packed ops decode them on the fly).
         Default: on the cuda backend; the reference backend decodes them once at load (its packed ops would
         re-decode every matrix at every step: a CPU demo would crawl)."""
@@ -126,7 +126,8 @@ class Engine:
             self._setup(be, cfg, weights, token_domain(self.art, cfg.vocab), max_context=max_context,
                         max_seqs=max_seqs, page_size=page_size, prefill_chunk=prefill_chunk,
                         kv_capacity=kv_capacity, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype,
-                        prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots)
+                        prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots,
+                        cache_ram_bytes=cache_ram_bytes)
         except BaseException:
             self.art.close()
             raise
@@ -143,7 +144,7 @@ class Engine:
     def _setup(self, be, cfg: HybridConfig, weights: dict, domain: int, *, max_context: int = 4096,
                max_seqs: int = 8, page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
                cuda_graphs: bool = True, kv_cache_dtype: str = "auto", prefix_caching: bool = False,
-               prefix_snapshots: int = 0) -> None:
+               prefix_snapshots: int = 0, cache_ram_bytes: int = 0) -> None:
         if prefill_chunk < 1 or max_context < 1 or not 1 <= max_seqs <= 8:
             raise EngineError("prefill_chunk and max_context must be >= 1 and max_seqs within 1..8")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -166,7 +167,8 @@ class Engine:
                                   kv_capacity, scratch, prefix_caching, prefix_snapshots)
         self.cache = SequenceCache(cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
                                    device=self.device, dtype=self.dtype, num_pages=num_pages, kv_dtype=kv_dtype,
-                                   prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots)
+                                   prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots,
+                                   cache_ram_bytes=cache_ram_bytes)
         try:
             self.model = MODELS[cfg.family](cfg, weights, self.cache)
         except KeyError as e:

@@ -472,7 +472,8 @@ class Scheduler:
                     for slot, r in cache.retained.items()]
         return dict(lanes_busy=busy, kv_pages_used=pages, kv_pages_total=self.num_pages, max_seqs=self.max_seqs,
                     pending=len(self._pending), lanes=lanes + retained, lanes_retained=len(retained),
-                    kv_pages_retained=cache.kept_pages, prefix_snapshots=len(cache.snapshots))
+                    kv_pages_retained=cache.kept_pages, prefix_snapshots=len(cache.snapshots),
+                    cache_ram_lanes=len(cache.host_lanes), cache_ram_bytes=cache.host_bytes)
 
 
 def _settle(fut: asyncio.Future, result, error) -> None:

@@ -53,6 +53,9 @@ class _SchedulerCollector:
         yield g("ninfer_kv_pages_retained", "KV pages kept by retained lanes and prefix snapshots (given back when "
                 "wanted).", value=snap["kv_pages_retained"])
         yield g("ninfer_prefix_snapshots", "System-turn prefix snapshots kept.", value=snap["prefix_snapshots"])
+        yield g("ninfer_cache_ram_lanes", "Retained lanes kept in host memory (--cache-ram).",
+                value=snap["cache_ram_lanes"])
+        yield g("ninfer_cache_ram_bytes", "Host memory those lanes take.", value=snap["cache_ram_bytes"])
         yield g("ninfer_pending_requests", "Requests waiting for a lane.", value=self.s.pending)
         info = g("ninfer_cache_config_info", "The KV cache's configuration (as vLLM's cache_config_info): value 1.",
                  labels=["kv_cache_dtype", "page_size", "num_pages"])

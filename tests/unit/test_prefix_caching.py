@@ -226,3 +226,39 @@ def test_a_new_conversation_starts_from_a_snapshot_of_the_shared_first_turn(demo
     finally:
         cached.close()
         plain.close()
+
+
+def test_lanes_given_back_wait_in_host_memory_and_come_back(demo_artifact):
+    """--cache-ram: with one lane, each new conversation gives the last one's lane back; its image waits in host
+    memory (oldest dropped past the budget) and the conversation's next turn, or the same prompt again, brings it
+    back into the lane: what the turn then starts from equals a full prefill."""
+    opts = dict(backend="reference", max_context=96, max_seqs=1, prefill_chunk=8, page_size=8)
+    plain = Engine(demo_artifact, **opts)
+    probe = Engine(demo_artifact, prefix_caching=True, **opts)
+    try:
+        finish(probe, run(probe, PROMPT))
+        image = sum(t.numel() * t.element_size() for t in probe.cache.export_lane(0)[0].values())
+    finally:
+        probe.close()
+    eng = Engine(demo_artifact, prefix_caching=True, cache_ram_bytes=2 * image + image // 2, **opts)
+    try:
+        cache = eng.cache
+        a, b, c = PROMPT, [p + 1 for p in PROMPT], [p + 2 for p in PROMPT]
+        finish(eng, run(eng, a))
+        finish(eng, run(eng, b))                      # a's lane goes to host memory
+        assert [h.meta["tokens"][:len(a)] for h in cache.host_lanes] == [a]
+        turn = a + [60, 61] + [40, 41, 42]
+        got, want = run(eng, turn), run(plain, turn)  # a comes back (b's lane goes to host memory in its place)
+        assert got.cached == len(a) and [h.meta["tokens"][:len(b)] for h in cache.host_lanes] == [b]
+        assert_same_state(eng, got, plain, want, len(turn))
+        assert finish(eng, got).generated == finish(plain, want).generated
+        again = run(eng, b)                           # the same prompt: its image kept the logits
+        assert again.cached == len(b)
+        assert finish(eng, again).generated == finish(plain, run(plain, b)).generated
+        finish(eng, run(eng, c))                      # three images past a budget of two: the oldest is dropped
+        finish(eng, run(eng, [7] * 9))
+        assert sorted(h.meta["tokens"][0] for h in cache.host_lanes) == sorted([b[0], c[0]])
+        assert cache.host_bytes <= cache.cache_ram_bytes and cache.in_use == (0, 0)
+    finally:
+        eng.close()
+        plain.close()
