@@ -359,3 +359,31 @@ def test_prefix_caching_gives_the_same_model(kind):
     assert runs[0] == runs[1]
     verdict = compare(logits[0], logits[1], preset, "next logits")
     assert verdict, verdict.detail
+
+
+@pytest.mark.parametrize("kind", ["dense", "next"])
+def test_lanes_in_host_memory_give_the_same_model(kind):
+    """--cache-ram on the GPU: one lane; each new conversation gives the last one's lane back, its image copied to host
+    memory; the first conversation's next turn copies it back (KV pages and GDN states, device <- host). Both engines
+    then run the same chunks after the first prompt, so the tokens must be equal to an engine without it."""
+    from ninfer.runtime.engine import Engine
+    path = ORACLE / f"{kind}.ninfer"
+    if not path.is_file():
+        pytest.skip(f"no artifact at {path} (python tests/gpu/make_oracle.py {ORACLE})")
+    first = [(5 * i + 7) % 90 + 3 for i in range(32)]
+    other = [(3 * i + 5) % 90 + 3 for i in range(32)]
+    runs = []
+    for cached in (True, False):
+        eng = Engine(path, backend="cuda", max_context=128, max_seqs=1, prefill_chunk=16, prefix_caching=cached,
+                     cache_ram_bytes=256 << 20)
+        try:
+            a = eng.generate([first], max_new=4)[0]
+            eng.generate([other], max_new=4)
+            assert len(eng.cache.host_lanes) == (1 if cached else 0)
+            turn = eng.generate([first + [a.generated[0] + 1, 60, 61, 40, 41]], max_new=16)[0]
+            assert turn.cached == (len(first) if cached else 0)
+            runs.append(turn.generated)
+            assert eng.cache.in_use == (0, 0)
+        finally:
+            eng.close()
+    assert runs[0] == runs[1]
