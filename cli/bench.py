@@ -361,6 +361,11 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
                f"bf16 GEMM {gemm_tflops:,.0f} TFLOP/s; KV pages {eng.cache.num_pages} x {eng.cache.page_size} "
                f"(kv cache {eng.kv_cache_dtype}); "
                f"prefill chunk {prefill_chunk}")
+    from ninfer.runtime.models import blocks
+    fp8_tflops = measure_fp8_gemm(torch) if fmt == "fp8" and blocks.FP8_W8A8_MIN_T is not None else None
+    if fp8_tflops:   # the GEMMs from FP8_W8A8_MIN_T tokens run on the FP8 tensor cores: their peak is the roofline
+        click.echo(f"# fp8 prefill on the FP8 tensor cores from {blocks.FP8_W8A8_MIN_T} tokens; FP8 GEMM "
+                   f"{fp8_tflops:,.0f} TFLOP/s (torch._scaled_mm)")
     rng = torch.Generator().manual_seed(0)
     rows = []
 
@@ -385,9 +390,10 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         secs = sorted(prefill_secs(n) for _ in range(prefill_reps))[prefill_reps // 2]
         fig = model_figures(cfg, n // 2, fmt, kv_bytes)
         tps = n / secs
-        frac = tps * fig["flops_per_token"] / (gemm_tflops * 1e12)
+        frac = tps * fig["flops_per_token"] / ((fp8_tflops or gemm_tflops) * 1e12)
         rows.append({"kind": "prefill", "tokens": n, "tok_s": tps, "ttft_s": secs, "peak_frac": frac})
-        click.echo(f"prefill {n:>6} tokens: {tps:>9,.0f} tok/s  TTFT {secs:6.2f} s  {100 * frac:5.1f} % of bf16 peak")
+        click.echo(f"prefill {n:>6} tokens: {tps:>9,.0f} tok/s  TTFT {secs:6.2f} s  {100 * frac:5.1f} % of "
+                   f"{'FP8' if fp8_tflops else 'bf16'} peak")
     if profile:  # one eager prefill chunk and one eager decode step, op by op
         seq = eng.open(ids(profile), max_new=2)
         graphs, eng.graphs = eng.graphs, None
