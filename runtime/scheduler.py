@@ -386,7 +386,7 @@ class Scheduler:
                 log.exception("prefill chunk failed")
                 self._fail(h, EngineFailure(f"prefill failed: {type(e).__name__}: {e}"), out)
                 return
-            self.stats["prefill_chunks"] += 1
+            self.stats["prefill_chunks"] += seq.prefilled > before   # none ran for a prompt cached whole
             self.stats["prompt_tokens"] += seq.prefilled - before
             self.stats["prompt_seconds"] += time.perf_counter() - t0
             if done:

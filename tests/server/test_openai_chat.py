@@ -26,9 +26,15 @@ def test_non_stream(server):
     assert t["cache_n"] == r.usage.prompt_tokens_details.cached_tokens
     assert t["prompt_n"] + t["cache_n"] == r.usage.prompt_tokens and t["predicted_n"] == r.usage.completion_tokens
     assert t["ttft_ms"] > 0
-    # greedy decoding is deterministic: the same request gives the same answer
+    # greedy decoding is deterministic: the same request gives the same answer; the prefix cache kept the prompt's
+    # last logits, so no prefill chunk runs for it
+    server.wait_idle()
+    from tests.server.test_ops import metrics
+    chunks = metrics(server)[("ninfer_prefill_chunks_total", ())]
     r2 = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0)
     assert r2.choices[0].message.content == ch.message.content
+    assert r2.usage.prompt_tokens_details.cached_tokens == r2.usage.prompt_tokens
+    assert metrics(server)[("ninfer_prefill_chunks_total", ())] == chunks
     server.wait_idle()
 
 
