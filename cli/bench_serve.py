@@ -8,6 +8,8 @@ Starts `ninfer-serve` on an artifact (by default one with random weights at the 
            the prompt's last-token logits kept by the prefix cache;
   next turn: after each prefill request, the conversation's next turn (that prompt, a short answer, a
            --next-turn-token message): its TTFT and the prompt tokens the server took from its prefix cache;
+  return:  after the decode runs (whose streams took every lane), the first conversation's next turn again: its
+           TTFT from host memory with --cache-ram, else from whatever prefix is left;
   shared system turn: two new conversations that open with the same --shared-system-token system prompt: the
            second's TTFT starts from the first's prefix snapshot;
   decode:  C concurrent streams of --max-tokens tokens after a --decode-prompt prompt; the aggregate rate
@@ -92,12 +94,13 @@ class Server:
     """ninfer-serve in a child process on a free loopback port; stopped (and waited for) on exit."""
 
     def __init__(self, artifact: Path, *, backend: str, max_concurrency: int, max_context: int,
-                 startup_timeout: float, kv_cache_dtype: str = "auto"):
+                 startup_timeout: float, kv_cache_dtype: str = "auto", cache_ram_mib: int = 0):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "ninfer.cli.serve", str(artifact), "--port", str(self.port),
                     "--backend", backend, "--max-concurrency", str(max_concurrency), "--max-context",
-                    str(max_context), "--model-id", "bench", "--kv-cache-dtype", kv_cache_dtype]
+                    str(max_context), "--model-id", "bench", "--kv-cache-dtype", kv_cache_dtype,
+                    "--cache-ram", str(cache_ram_mib)]
         # (ninfer-serve's own prefill chunks: what users get)
         self.startup_timeout = startup_timeout
 
@@ -177,7 +180,8 @@ def decode_rate(streams: list[dict]) -> tuple[float, float]:
 async def drive(url: str, prompts: list[int], concurrency: list[int], decode_prompt: int, max_tokens: int,
                 next_turn: int = 0, shared_system: int = 0, retry: bool = False) -> dict:
     import aiohttp
-    out = {"prefill": [], "retry": [], "next_turn": [], "shared_system": [], "decode": []}
+    out = {"prefill": [], "retry": [], "next_turn": [], "shared_system": [], "decode": [], "return": []}
+    turns = []
     timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         # warm-up at the first prompt length: first-call costs (kernel modules, the prefill routes' scratch
@@ -200,6 +204,7 @@ async def drive(url: str, prompts: list[int], concurrency: list[int], decode_pro
                 turn = [{"role": "user", "content": first}, {"role": "assistant", "content": NEXT_ANSWER},
                         {"role": "user", "content": prompt_text(next_turn, 500 + i)}]
                 t = await _stream(s, url, turn, 1, 1)
+                turns.append(turn)
                 out["next_turn"].append({"after_tokens": r["prompt_tokens"], "prompt_tokens": t["prompt_tokens"],
                                          "cached_tokens": t["cached_tokens"], "ttft_s": t["end"] - t["start"]})
                 click.echo(f"# ninfer next turn {t['prompt_tokens']} tokens ({t['cached_tokens']} cached): TTFT "
@@ -220,6 +225,12 @@ async def drive(url: str, prompts: list[int], concurrency: list[int], decode_pro
                                   "ttft_median_s": statistics.median(r["arrivals"][0] - r["start"] for r in rs),
                                   "completion_tokens": [r["completion_tokens"] for r in rs]})
             click.echo(f"# ninfer decode C={c}: {rate:,.1f} tok/s over {window:.2f} s", err=True)
+        if turns and concurrency:
+            t = await _stream(s, url, turns[0], 1, 1)
+            out["return"].append({"prompt_tokens": t["prompt_tokens"], "cached_tokens": t["cached_tokens"],
+                                  "ttft_s": t["end"] - t["start"]})
+            click.echo(f"# ninfer return to conversation 1, {t['prompt_tokens']} tokens ({t['cached_tokens']} "
+                       f"cached): TTFT {t['end'] - t['start']:.3f} s", err=True)
     return out
 
 
@@ -330,6 +341,9 @@ def table(result: dict) -> str:
     for r in ours.get("retry", []):   # the same request again
         label = f"retry {r['prompt_tokens']}"
         lines.append(f"{label + ' TTFT':<22}{cell(r, 'ttft_s', '') + ' (%d cached)' % r['cached_tokens']:>22}")
+    for r in ours.get("return", []):   # the first conversation again, after the decode runs took every lane
+        label = f"return {r['prompt_tokens']}"
+        lines.append(f"{label + ' TTFT':<22}{cell(r, 'ttft_s', '') + ' (%d cached)' % r['cached_tokens']:>22}")
     for r in ours.get("next_turn", []):   # the peer keeps no cache between calls: its TTFT is a full prefill's
         label = f"next turn {r['prompt_tokens']}"
         lines.append(f"{label + ' TTFT':<22}{cell(r, 'ttft_s', '') + ' (%d cached)' % r['cached_tokens']:>22}")
@@ -385,9 +399,12 @@ def _ints(text: str, what: str, lo: int = 1, hi: int | None = None) -> list[int]
                    "TTFT with ninfer-serve's prefix snapshot; 0: none)")
 @click.option("--retry/--no-retry", default=True, show_default=True,
               help="after each prefill request, the same request again (TTFT with its logits kept by the prefix cache)")
+@click.option("--cache-ram", "cache_ram_mib", type=click.IntRange(0), default=0, show_default=True,
+              help="ninfer-serve's --cache-ram (MiB of host memory for lanes given back)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tokens, backend, peer, workdir,
-              resources_from, startup_timeout, kv_cache_dtype, next_turn, shared_system, retry, json_out) -> None:
+              resources_from, startup_timeout, kv_cache_dtype, next_turn, shared_system, retry, cache_ram_mib,
+              json_out) -> None:
     """Prefill / TTFT and aggregate decode through ninfer-serve over HTTP, beside a transformers peer."""
     import torch
 
@@ -416,11 +433,11 @@ def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tok
         torch.cuda.empty_cache()
     max_context = max(max(prompt_lens) + next_turn + 64, shared_system + 128, decode_prompt) + max_tokens + 64
     with Server(artifact, backend=backend, max_concurrency=max(levels), max_context=max_context,
-                startup_timeout=startup_timeout, kv_cache_dtype=kv_cache_dtype) as srv:
+                startup_timeout=startup_timeout, kv_cache_dtype=kv_cache_dtype, cache_ram_mib=cache_ram_mib) as srv:
         ours = asyncio.run(drive(srv.url, prompt_lens, levels, decode_prompt, max_tokens, next_turn, shared_system,
                                  retry))
     add_rooflines(ours, cfg, fmt, ceilings, kv_element_bytes(kv_cache_dtype))
-    result = {"artifact": str(artifact), "weights": fmt, "kv_cache_dtype": kv_cache_dtype,
+    result = {"artifact": str(artifact), "weights": fmt, "kv_cache_dtype": kv_cache_dtype, "cache_ram_mib": cache_ram_mib,
               "backend": "cuda" if gpu else "reference",
               "device": torch.cuda.get_device_name() if gpu else "cpu",
               "ceilings": {"copy_GBps": ceilings[0], "gemm_TFLOPs": ceilings[1]} if ceilings else None,

@@ -18,7 +18,7 @@ def test_serve_bench_against_transformers(demo_artifact, tmp_path):
     out = tmp_path / "serve.json"
     r = run_bench("--artifact", str(demo_artifact), "--prompts", "40,120", "--concurrency", "1,3",
                   "--decode-prompt", "30", "--max-tokens", "10", "--next-turn", "12", "--shared-system", "300",
-                  "--backend", "reference", "--json", str(out))
+                  "--cache-ram", "64", "--backend", "reference", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ninfer-serve: stopping" in r.stderr          # the server child was stopped before the peer ran
     d = json.loads(out.read_text())
@@ -39,6 +39,10 @@ def test_serve_bench_against_transformers(demo_artifact, tmp_path):
     first, second = ours["shared_system"]
     assert first["cached_tokens"] == 0 and 290 < second["cached_tokens"] < first["prompt_tokens"] - 60
     assert "new conv 2" in r.stdout
+    # after the decode streams took every lane, the first conversation's next turn came back from host memory whole
+    back, = ours["return"]
+    assert back["prompt_tokens"] == back["cached_tokens"] == ours["next_turn"][0]["prompt_tokens"]
+    assert "return " in r.stdout and d["cache_ram_mib"] == 64
     assert [x["concurrency"] for x in ours["decode"]] == [1, 3]
     for x in ours["decode"]:
         assert x["completion_tokens"] == [10] * x["concurrency"] and x["tok_s"] > 0 and x["window_s"] > 0
