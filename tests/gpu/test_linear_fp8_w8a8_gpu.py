@@ -1,8 +1,9 @@
 """FP8 weights on FP8 tensor cores (W8A8): quant_fp8_per_token (codegen/templates/quant_fp8_per_token.cu.j2) and the
-E4M3 wgmma GEMM linear_fp8_w8a8 (codegen/templates/linear_wgmma_fp8.cu.j2), every route instance against the
-reference: the quantizer bit for bit (tolerance exact), the GEMM within linear_tc (its contract is on the codes, so
-only fp32 summation order separates them), both with NaN guards past their outputs; the chain against linear_fp8
-(bf16 activations), which it may differ from by the activations' E4M3 rounding alone. GPU only."""
+E4M3 GEMM linear_fp8_w8a8 (wgmma on sm_90a: linear_wgmma_fp8.cu.j2; mma.sync on sm_89 / sm_120a: linear_mma_sync.cu.j2
+read as bytes), every route instance this GPU builds against the reference: the quantizer bit for bit (tolerance
+exact), the GEMM within linear_tc (its contract is on the codes, so only fp32 summation order separates them), both
+with NaN guards past their outputs; the chain against linear_fp8 (bf16 activations), which it may differ from by the
+activations' E4M3 rounding alone. GPU only."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,6 +23,20 @@ pytestmark = pytest.mark.gpu
 def instances(op: str) -> list[str]:
     spec = yaml.safe_load((ROOT / "specs" / "routes" / f"{op}.yaml").read_text())
     return sorted(f"{r['name']}.{t}" for r in spec["routes"] for t in r["tiles"])
+
+
+def kernel(be, op: str, tile: str):
+    """This GPU's kernel of the route instance (skips where the route is not built for its arch)."""
+    k = next((k for k in be.manifest.kernels.values()
+              if k.op == op and k.instance == tile and k.arch == be.device.arch), None)
+    if k is None:
+        pytest.skip(f"{op} {tile} is not built for {be.device.arch}")
+    return k
+
+
+def admits(k, **dims) -> bool:
+    from ninfer.runtime.manifest import evaluate
+    return all(evaluate(c, dims) for c in k.constraints)
 
 
 def packed(n: int, k: int, seed: int) -> torch.Tensor:
@@ -46,6 +61,7 @@ def quantize(be, x, route=None):
 
 @pytest.mark.parametrize("route", instances("quant_fp8_per_token"))
 def test_quant_every_route_bit_exact(be, ref, route):
+    kernel(be, "quant_fp8_per_token", route)
     g = torch.Generator(device="cuda").manual_seed(1)
     bad = []
     for K in (8, 200, 5120, 17408):
@@ -98,8 +114,12 @@ def check_gemm(be, ref, tile, w, T, N, K, seed):
 
 @pytest.mark.parametrize("tile", instances("linear_fp8_w8a8"))
 def test_w8a8_every_tile(be, ref, tile):
+    k = kernel(be, "linear_fp8_w8a8", tile)
     bad = []
-    for N, K in [(128, 128), (384, 1024), (640, 1552), (256, 208)]:   # K: whole and partial 128-byte k-tiles
+    # K: whole and partial 128-byte k-tiles; N: whole 128-row weight tiles, a short last one, an odd count
+    for N, K in [(128, 128), (384, 1024), (640, 1552), (256, 208), (200, 208), (77, 208)]:
+        if not admits(k, N=N, K=K, T=1):
+            continue
         w = packed(N, K, seed=N + K)
         for T in TS:
             bad += check_gemm(be, ref, tile, w, T, N, K, seed=T * 7 + N)
@@ -109,9 +129,11 @@ def test_w8a8_every_tile(be, ref, tile):
 def test_w8a8_real_27b_shapes(be, ref):
     """The 27B MLP (gate_up 34816 x 5120, down 5120 x 17408) at a prefill chunk, every tile."""
     bad = []
+    tiles = sorted(k.instance for k in be.manifest.kernels.values()
+                   if k.op == "linear_fp8_w8a8" and k.arch == be.device.arch)
     for N, K in [(34816, 5120), (5120, 17408)]:
         w = packed(N, K, seed=N)
-        for tile in instances("linear_fp8_w8a8"):
+        for tile in tiles:
             bad += check_gemm(be, ref, tile, w, 1000, N, K, seed=3)
     assert not bad, "\n".join(bad)
 
@@ -124,7 +146,8 @@ def test_w8a8_over_row_split_views(be):
     fused = PackedWeight(packed(n1 + n2, K, seed=11), "fp8", (n1 + n2, K))
     x = torch.randn(300, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5)).bfloat16()
     xq, xs, _ = quantize(be, x)
-    for tile in instances("linear_fp8_w8a8"):
+    for tile in sorted(k.instance for k in be.manifest.kernels.values()
+                       if k.op == "linear_fp8_w8a8" and k.arch == be.device.arch):
         ys = []
         for w in (fused, *split_rows(fused, n1)):
             y = torch.empty(300, w.matrix[0], device="cuda", dtype=torch.bfloat16)
@@ -136,5 +159,6 @@ def test_w8a8_over_row_split_views(be):
 def test_admits_follows_the_constraints(be):
     """The model takes the W8A8 path only where the table's route admits the problem."""
     assert be.admits("linear_fp8_w8a8", T=4096, N=17408, K=5120)
-    assert not be.admits("linear_fp8_w8a8", T=4096, N=300, K=512)    # not whole 128-row tiles
-    assert not be.admits("linear_fp8_w8a8", T=4096, N=256, K=200)    # xq's row pitch: K % 16
+    assert not be.admits("linear_fp8_w8a8", T=4096, N=256, K=200)    # xq's rows: whole 16-byte chunks (K % 16)
+    if be.device.arch == "sm_90a":   # wgmma: whole 128-row weight tiles
+        assert not be.admits("linear_fp8_w8a8", T=4096, N=300, K=512)
