@@ -12,7 +12,7 @@ import time
 
 from aiohttp import web
 
-from . import anthropic_messages, openai_chat, openai_responses, slot_files
+from . import anthropic_messages, openai_chat, openai_completions, openai_responses, slot_files
 from .errors import ApiError, protocol_of
 from .metrics import CONTENT_TYPE
 from .state import STATE, AppState, state_of
@@ -148,6 +148,9 @@ def build_app(state: AppState) -> web.Application:
     r.add_get("/slots", slots)
     r.add_post("/slots/{id}", slot_files.slot_action)
     r.add_post("/v1/chat/completions", openai_chat.handle)
+    r.add_post("/v1/completions", openai_completions.handle)
+    r.add_post("/tokenize", openai_completions.tokenize)
+    r.add_post("/detokenize", openai_completions.detokenize)
     r.add_post("/v1/responses", openai_responses.create)
     r.add_get("/v1/responses/{id}", openai_responses.retrieve)
     r.add_delete("/v1/responses/{id}", openai_responses.delete)

@@ -101,7 +101,7 @@ def _num(v, default):
 
 @dataclass
 class GenRequest:
-    protocol: str                      # "chat" | "responses" | "anthropic"
+    protocol: str                      # "chat" | "responses" | "anthropic" | "completions"
     messages: list[dict]
     tools: list[dict] | None = None    # [{"type": "function", "function": {name, description, parameters}}]
     tool_choice: object = "auto"       # "auto" | "none" | "required" | {"name": NAME}
@@ -111,6 +111,7 @@ class GenRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     request_id: str = ""
+    raw_prompt: str | list[int] | None = None   # completions: the prompt as given (text or token ids), no template
 
 
 # -- semantic events -----------------------------------------------------------------------------
@@ -190,6 +191,12 @@ class Generation:
 
     def build_prompt(self) -> None:
         """Render and tokenize (blocking: run it in an executor)."""
+        raw = self.req.raw_prompt
+        if raw is not None:   # completions: the text (its special tokens included) or the ids, as given
+            self.thinking = False
+            self.prompt_ids = list(raw) if isinstance(raw, list) else self.state.text.encode(raw)
+            self.prompt = raw if isinstance(raw, str) else ""
+            return
         forced = self._forced_prefix()
         thinking = self.req.thinking and not forced
         try:
