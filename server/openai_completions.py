@@ -13,10 +13,10 @@ import time
 from aiohttp import web
 
 from . import validate as v
-from .common import Streamer, check_model, read_json, run, timings
+from .common import check_model, read_json, run, timings
 from .errors import ApiError, bad_request
 from .generation import Content, Finished, GenRequest, new_id
-from .openai_chat import sampling_of
+from .openai_chat import ChatStreamer, sampling_of, usage
 from .state import state_of
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for this endpoint
@@ -71,43 +71,23 @@ def parse(body: dict, state) -> tuple[GenRequest, dict]:
                 "include_usage": bool(v.boolean(so, "include_usage", where="stream_options."))}
 
 
-def usage(fin: Finished) -> dict:
-    d = fin.done
-    return {"prompt_tokens": d.prompt_tokens, "completion_tokens": d.completion_tokens,
-            "total_tokens": d.prompt_tokens + d.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": d.cached_tokens}}
+class CompletionStreamer(ChatStreamer):
+    """Chat's stream (its final chunk with timings, the usage chunk, [DONE], in-band errors) in text_completion
+    chunks: a delta's content is the choice's text."""
 
-
-class CompletionStreamer(Streamer):
-    def __init__(self, writer, gen, opts, state):
-        super().__init__(writer)
-        self.gen, self.opts, self.state = gen, opts, state
-        self.created = int(time.time())
-
-    def chunk(self, text: str, finish=None, **extra) -> dict:
+    def chunk(self, delta: dict, finish=None, **extra) -> dict:
         return {"id": self.gen.req.request_id, "object": "text_completion", "created": self.created,
                 "model": self.state.model_id, "system_fingerprint": None,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra}
+                "choices": [{"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}],
+                **extra}
 
     async def start(self) -> None:
         if self.opts["echo"]:
-            await self.w.send(self.chunk(self.opts["echo"]))
+            await self.w.send(self.chunk({"content": self.opts["echo"]}))
 
     async def event(self, ev) -> None:
         if isinstance(ev, Content):
-            await self.w.send(self.chunk(ev.text))
-
-    async def finish(self, fin: Finished) -> None:
-        await self.w.send(self.chunk("", fin.finish_reason, timings=timings(fin.done)))
-        if self.opts["include_usage"]:
-            c = self.chunk("", None, usage=usage(fin))
-            c["choices"] = []
-            await self.w.send(c)
-        await self.w.send("[DONE]")
-
-    async def error(self, err: ApiError) -> None:
-        await self.w.send(err.openai())
-        await self.w.send("[DONE]")
+            await self.w.send(self.chunk({"content": ev.text}))
 
 
 def to_json(state, gen, fin: Finished, echo: str) -> dict:
