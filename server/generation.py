@@ -112,6 +112,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     request_id: str = ""
     raw_prompt: str | list[int] | None = None   # completions: the prompt as given (text or token ids), no template
+    stop_ids: frozenset | None = None            # the ids that end the answer (None: the model's end-of-turn ids)
 
 
 # -- semantic events -----------------------------------------------------------------------------
@@ -219,7 +220,8 @@ class Generation:
     def submit(self) -> None:
         max_new = self.req.max_tokens if self.req.max_tokens is not None else self.state.default_max_tokens
         r = sched.Request(prompt=self.prompt_ids, max_new=max_new, sampling=self.req.sampling,
-                          stop_ids=self.state.text.stop_ids, stop_strings=tuple(self.req.stop),
+                          stop_ids=self.state.text.stop_ids if self.req.stop_ids is None else self.req.stop_ids,
+                          stop_strings=tuple(self.req.stop),
                           detokenizer=self.state.text.tok.stream(skip_ids=self.state.text.stop_ids),
                           snapshot_at=self.state.text.first_turn_end(self.prompt_ids),
                           info=dict(id_task=self.req.request_id, protocol=self.req.protocol))
@@ -243,7 +245,8 @@ class Generation:
             tools[f["name"]] = f.get("parameters") or {}
         parse_calls = bool(self.req.tools) and self.req.tool_choice != "none"
         parser = ToolCallParser(tools, tolerant=self.state.tolerant_tool_calls) if parse_calls else None
-        splitter = ReasoningSplitter(in_reasoning=self.thinking and prompt_opens_reasoning(self.prompt))
+        splitter = (Verbatim() if self.req.raw_prompt is not None   # completions: the text exactly as generated
+                    else ReasoningSplitter(in_reasoning=self.thinking and prompt_opens_reasoning(self.prompt)))
         reasoning, content = [], []
         calls: list[ToolCall] = []
         reasoning_tokens = 0
@@ -331,6 +334,18 @@ class Generation:
             elif isinstance(ev, sched.Failed):
                 self.handle.finished = True
                 raise from_scheduler(ev.error)
+
+
+class Verbatim:
+    """ReasoningSplitter's interface for raw completions: every piece is content, its whitespace and any <think> kept
+    (code completion needs the text exactly)."""
+    state = "content"
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        return [("content", text)] if text else []
+
+    def finish(self) -> list[tuple[str, str]]:
+        return []
 
 
 def fold_system(msgs: list[dict]) -> list[dict]:

@@ -1,7 +1,8 @@
 """`POST /v1/chat/completions` (OpenAI Chat Completions), JSON and SSE.
 
 Extensions clients of llama.cpp / vLLM / Qwen send: `top_k`, `min_p`, `enable_thinking`,
-`chat_template_kwargs.enable_thinking`, `reasoning_effort` ("none"/"minimal" turn thinking off).
+`chat_template_kwargs.enable_thinking`, `reasoning_effort` ("none"/"minimal" turn thinking off), `stop_token_ids`,
+`ignore_eos`.
 Reasoning comes back as `reasoning_content`; a llama.cpp-compatible `timings` block rides on the
 response and on the final stream chunk.
 """
@@ -167,6 +168,18 @@ def sampling_of(state, body: dict):
         seed=v.integer(body, "seed"))
 
 
+def stop_ids_of(state, body: dict) -> frozenset | None:
+    """vLLM's `stop_token_ids` (more ids that end the answer) and `ignore_eos` (the model's end ids do not)."""
+    ids = v.array(body, "stop_token_ids") or []
+    vocab = state.text.tok.vocab_size
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        raise bad_request(f"'stop_token_ids' must be an array of token ids 0..{vocab - 1}", "stop_token_ids")
+    ignore_eos = v.boolean(body, "ignore_eos", default=False)
+    if not ids and not ignore_eos:
+        return None
+    return frozenset(ids) | (frozenset() if ignore_eos else state.text.stop_ids)
+
+
 def parse(body: dict, state) -> tuple[GenRequest, dict]:
     model = v.string(body, "model", required=True)
     check_model(state, model)
@@ -193,7 +206,8 @@ def parse(body: dict, state) -> tuple[GenRequest, dict]:
                     tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
                     parallel_tool_calls=v.boolean(body, "parallel_tool_calls", default=True),
                     thinking=thinking_of(body), max_tokens=max_tokens, sampling=sampling_of(state, body),
-                    stop=v.stop_list(body.get("stop"), "stop"), request_id=new_id("chatcmpl-"))
+                    stop=v.stop_list(body.get("stop"), "stop"), request_id=new_id("chatcmpl-"),
+                    stop_ids=stop_ids_of(state, body))
     return gr, {"stream": stream, "include_usage": bool(v.boolean(so, "include_usage", where="stream_options."))}
 
 

@@ -16,7 +16,7 @@ from . import validate as v
 from .common import check_model, read_json, run, timings
 from .errors import ApiError, bad_request
 from .generation import Content, Finished, GenRequest, new_id
-from .openai_chat import ChatStreamer, sampling_of, usage
+from .openai_chat import ChatStreamer, sampling_of, stop_ids_of, usage
 from .state import state_of
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for this endpoint
@@ -66,7 +66,7 @@ def parse(body: dict, state) -> tuple[GenRequest, dict]:
     gr = GenRequest(protocol="completions", messages=[], thinking=False,
                     max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                     sampling=sampling_of(state, body), stop=v.stop_list(body.get("stop"), "stop"),
-                    request_id=new_id("cmpl-"), raw_prompt=prompt)
+                    request_id=new_id("cmpl-"), raw_prompt=prompt, stop_ids=stop_ids_of(state, body))
     return gr, {"stream": v.boolean(body, "stream", default=False), "echo": text if echo else "",
                 "include_usage": bool(v.boolean(so, "include_usage", where="stream_options."))}
 

@@ -8,15 +8,15 @@ USER = [{"role": "user", "content": "Say hello."}]
 
 
 def test_a_raw_prompt_is_the_chat_prompt_without_the_template(server):
-    """The chat template's own rendering sent as a raw prompt gives the chat answer token for token (greedy), and
-    the stream's pieces join to the same text."""
+    """The chat template's own rendering sent as a raw prompt gives the chat answer token for token (greedy; the raw
+    text keeps the whitespace chat drops before an answer), and the stream's pieces join to the same text."""
     c = server.openai()
     chat = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0,
                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     prompt = server.state.text.render(USER, thinking=False)
     r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and len(r.choices) == 1
-    assert r.choices[0].text == chat.choices[0].message.content
+    assert r.choices[0].text.lstrip() == chat.choices[0].message.content   # chat drops the answer's leading space
     assert r.choices[0].finish_reason == chat.choices[0].finish_reason
     assert r.usage.prompt_tokens == chat.usage.prompt_tokens and r.usage.completion_tokens == chat.usage.completion_tokens
     chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
@@ -75,3 +75,31 @@ def test_tokenize_and_detokenize(server):
     assert status == 400 and err["error"]["param"] == "tokens"
     status, err = server.post_json("/tokenize", {"prompt": 7})
     assert status == 400 and err["error"]["param"] == "prompt"
+
+
+def test_stop_token_ids_and_ignore_eos(server):
+    """vLLM's sampling extensions: `stop_token_ids` end the answer at a chosen id (not printed, finish_reason stop);
+    `ignore_eos` takes the model's end-of-turn ids out of the stop set, and user ids stay in it."""
+    from ninfer.server.openai_completions import parse
+    c = server.openai()
+    prompt = "def add(a, b):\n    return"   # the random demo model answers " return return ..." (one id, repeated)
+    first = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    tok, = server.state.text.encode(first.choices[0].text)
+    assert first.choices[0].text.startswith(" ")   # the token " return" whole: chat drops whitespace before an
+    # answer, raw completions keep the text exactly (code completion needs it)
+    stopped = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                   extra_body={"stop_token_ids": [tok]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == ""   # the stop id is not printed
+    other = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                 extra_body={"stop_token_ids": [tok + 1], "ignore_eos": True})
+    assert other.choices[0].finish_reason == "length" and other.usage.completion_tokens == 8
+    eos = server.state.text.stop_ids
+    gr, _ = parse({"model": MODEL, "prompt": "x", "ignore_eos": True, "stop_token_ids": [7]}, server.state)
+    assert gr.stop_ids == {7} and not gr.stop_ids & eos
+    assert parse({"model": MODEL, "prompt": "x", "stop_token_ids": [7]}, server.state)[0].stop_ids == eos | {7}
+    assert parse({"model": MODEL, "prompt": "x"}, server.state)[0].stop_ids is None
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                  extra_body={"stop_token_ids": [-1]})
+    assert e.value.body["param"] == "stop_token_ids"
+    server.wait_idle()
