@@ -64,11 +64,10 @@ class HostLane:
     meta: dict
     nbytes: int
 
-    def anchors(self):
-        """(tokens covered, by the lane's own state, the checkpoint's logits kept) as Retained.anchors gives them."""
-        live, n = self.meta["live"], len(self.meta["tokens"])
-        return ([(n, True, False)] if live else []) + [(self.meta["checkpointed"], False,
-                                                       "checkpoint.logits" in self.tensors)]
+    @property
+    def held(self) -> Retained:
+        """What the image holds, as the retained lane it was (without pages)."""
+        return Retained(self.meta["tokens"], self.meta["checkpointed"], self.meta["live"], [])
 
 
 @dataclass
@@ -174,8 +173,7 @@ class SequenceCache:
         the KV pages, the tokens they hold, the tokens the slot's checkpoint covers), the slot's state restored from
         its checkpoint where that is the state taken; None when there is none."""
         self._from_host(prompt)
-        best = max(((n, live, s) for s, r in self.retained.items() for n, live in r.anchors()
-                    if _serves(prompt, r.tokens, n, live, self.logits_after.get(s) == n)), default=None)
+        best = self._best_retained(prompt)
         if best is None:
             return None
         n, live, slot = best
@@ -185,6 +183,11 @@ class SequenceCache:
         if not live:
             _copy_states(self.gdn, slot, self.checkpoints, slot)
         return slot, r.pages[:keep], n, r.checkpointed
+
+    def _best_retained(self, prompt: list[int]) -> tuple[int, bool, int] | None:
+        """(tokens covered, by the lane's own state, slot) of the retained state that serves `prompt` furthest."""
+        return max(((n, live, s) for s, r in self.retained.items() for n, live in r.anchors()
+                    if _serves(prompt, r.tokens, n, live, self.logits_after.get(s) == n)), default=None)
 
     def snapshot(self, slot: int, pages: list[int], tokens: list[int]) -> bool:
         """Keep a copy of a running lane's first len(tokens) positions (its state is after them now): KV into pages of
@@ -347,10 +350,9 @@ class SequenceCache:
         retained lane; it stays in host memory when no lane or not enough pages can be had."""
         if not self.host_lanes:
             return
-        on_gpu = max((n for s, r in self.retained.items() for n, live in r.anchors()
-                      if _serves(prompt, r.tokens, n, live, self.logits_after.get(s) == n)), default=0)
-        n, i = max(((n, i) for i, h in enumerate(self.host_lanes) for n, live, logits in h.anchors()
-                    if _serves(prompt, h.meta["tokens"], n, live, logits)), default=(0, -1))
+        on_gpu = (self._best_retained(prompt) or (0,))[0]
+        n, i = max(((n, i) for i, h in enumerate(self.host_lanes) for n, live in h.held.anchors()
+                    if _serves(prompt, h.held.tokens, n, live, "checkpoint.logits" in h.tensors)), default=(0, -1))
         if n <= on_gpu:
             return
         lane = self.host_lanes.pop(i)

@@ -268,9 +268,14 @@ def to_json(state, gen, fin: Finished) -> dict:
     if fin.calls:
         msg["tool_calls"] = [{"id": new_id("call_"), "type": "function",
                               "function": {"name": c.name, "arguments": c.arguments_json}} for c in fin.calls]
-    return {"id": gen.req.request_id, "object": "chat.completion", "created": int(time.time()),
+    return envelope(state, gen, fin, "chat.completion", {"message": msg})
+
+
+def envelope(state, gen, fin: Finished, obj: str, choice: dict) -> dict:
+    """A finished response's object (chat.completion, or the legacy text_completion) around its one choice."""
+    return {"id": gen.req.request_id, "object": obj, "created": int(time.time()),
             "model": state.model_id, "system_fingerprint": None,
-            "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": fin.finish_reason}],
+            "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": fin.finish_reason}],
             "usage": usage(fin), "timings": timings(fin.done)}
 
 

@@ -8,15 +8,13 @@ the completion.
 """
 from __future__ import annotations
 
-import time
-
 from aiohttp import web
 
 from . import validate as v
-from .common import check_model, read_json, run, timings
+from .common import check_model, read_json, run
 from .errors import ApiError, bad_request
 from .generation import Content, Finished, GenRequest, new_id
-from .openai_chat import ChatStreamer, sampling_of, stop_ids_of, usage
+from .openai_chat import ChatStreamer, envelope, sampling_of, stop_ids_of
 from .state import state_of
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for this endpoint
@@ -91,11 +89,7 @@ class CompletionStreamer(ChatStreamer):
 
 
 def to_json(state, gen, fin: Finished, echo: str) -> dict:
-    text = echo + fin.content
-    return {"id": gen.req.request_id, "object": "text_completion", "created": int(time.time()),
-            "model": state.model_id, "system_fingerprint": None,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": fin.finish_reason}],
-            "usage": usage(fin), "timings": timings(fin.done)}
+    return envelope(state, gen, fin, "text_completion", {"text": echo + fin.content})
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
