@@ -69,7 +69,9 @@ def quant_fp8_per_token(x):
     """Per-row E4M3 codes and FP32 scales (specs/ops/quant_fp8_per_token.yaml), in float32 whatever x's dtype."""
     x = x.float()
     amax = x.abs().amax(-1)
-    s = torch.where(amax > 0, torch.clamp_min(amax / 448, 2.0 ** -100), torch.zeros_like(amax))
+    # amax / (a tensor of 448): torch on CUDA divides by a Python scalar as a product with its reciprocal, which is
+    # not the IEEE quotient the contract names (the kernel's and the CPU's)
+    s = torch.where(amax > 0, torch.clamp_min(amax / torch.full_like(amax, 448.0), 2.0 ** -100), torch.zeros_like(amax))
     inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
     q = (x * inv[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
     return {"q": q, "s": s}
