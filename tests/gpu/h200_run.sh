@@ -3,7 +3,7 @@
 # The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
-#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab" (default: tests bench-27b bench-35b)
+#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl" (default: tests bench-27b bench-35b)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
@@ -52,6 +52,12 @@ for stage in $STAGES; do
       for min_t in off 256; do
         NINFER_FP8_W8A8_MIN_T=$min_t timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b --weights fp8 \
           --prompts 8192 --concurrency 1 --steps 8 --prefill-reps 3 --json "$OUT/w8a8-ab-$min_t.json" 2>&1 | tee "$OUT/w8a8-ab-$min_t.log"
+      done ;;
+    w8a8-kl)  # the tiny dense oracle's fp8 artifact against its bf16 one (ninfer-perplexity kl, cuda), W8A8 off / from 256 tokens
+      $PY -c "import random; random.seed(0); print(' '.join(str(random.randrange(1024)) for _ in range(4096)))" > "$OUT/kl-ids.txt"
+      for min_t in off 256; do
+        NINFER_FP8_W8A8_MIN_T=$min_t timeout 120 $PY -m ninfer.cli.perplexity kl .carry/oracle/dense.fp8.ninfer .carry/oracle/dense.ninfer \
+          --ids "$OUT/kl-ids.txt" --window 512 --backend cuda --json 2>&1 | tee "$OUT/w8a8-kl-$min_t.log" | tail -1
       done ;;
     chunk-ab)  # 27B q4 prefill with prefill chunks of 1024, 4096 and 8192 tokens
       for chunk in 1024 4096 8192; do
