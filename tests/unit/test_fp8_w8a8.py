@@ -66,10 +66,10 @@ def test_w8a8_refuses_a_wrong_byte_count():
 
 
 def test_prefill_takes_the_fp8_tensor_cores_where_asked(monkeypatch):
-    """Off by default: fp8 prefill decodes the matrix for the bf16 GEMM. With FP8_W8A8_MIN_T the MLP's linears run
-    quant_fp8_per_token + linear_fp8_w8a8 (the [gate | up] projection unfused, its activation after it) from that
-    many tokens, and stay on the packed GEMV below it; the result is the bf16 path's within the activations' E4M3
-    rounding."""
+    """Off (FP8_W8A8_MIN_T None): fp8 prefill decodes the matrix for the bf16 GEMM. With FP8_W8A8_MIN_T (256 by
+    default) the MLP's linears run quant_fp8_per_token + linear_fp8_w8a8 (the [gate | up] projection unfused, its
+    activation after it) from that many tokens, and stay on the packed GEMV below it; the result is the bf16 path's
+    within the activations' E4M3 rounding."""
     from ninfer.runtime.models import blocks
     calls = []
     Spy = recording(calls)
@@ -78,7 +78,8 @@ def test_prefill_takes_the_fp8_tensor_cores_where_asked(monkeypatch):
                            "mlp.down": random_packed("fp8", (192, 128), "cpu", g, 0.05)}, "mlp.")
     T = blocks.DEQUANT_MIN_T
     x = torch.randn(T, 192, generator=g)
-    assert blocks.FP8_W8A8_MIN_T is None
+    assert blocks.FP8_W8A8_MIN_T == 256
+    monkeypatch.setattr(blocks, "FP8_W8A8_MIN_T", None)
     dense = mlp(Spy(), x)
     assert calls == ["dequant_fp8", "linear_swiglu", "dequant_fp8", "linear"]
     monkeypatch.setattr(blocks, "FP8_W8A8_MIN_T", 16)

@@ -136,9 +136,10 @@ def test_problems_include_the_prefill_gemm_of_each_packed_matrix():
 
 
 def test_fp8_problems_include_the_fp8_tensor_core_gemm_where_it_runs(monkeypatch):
-    """With NINFER_FP8_W8A8_MIN_T, an fp8 model's prefill quantizes each linear's input and runs the E4M3 GEMM
-    (models/blocks.py w8a8): those problems are tuned too; without it, they are not."""
+    """With NINFER_FP8_W8A8_MIN_T (256 by default), an fp8 model's prefill quantizes each linear's input and runs
+    the E4M3 GEMM (models/blocks.py w8a8): those problems are tuned too; with it off, they are not."""
     from ninfer.runtime.models import blocks
+    monkeypatch.setattr(blocks, "FP8_W8A8_MIN_T", None)
     assert not [p for p in model_problems("qwen3.6-27b", "fp8") if p[0] in ("linear_fp8_w8a8", "quant_fp8_per_token")]
     monkeypatch.setattr(blocks, "FP8_W8A8_MIN_T", 256)
     got = model_problems("qwen3.6-27b", "fp8")
