@@ -77,6 +77,25 @@ def test_greedy_64_tokens_identical(models, kind, n):
     assert seq.finish_reason == "length" and seq.n_generated == 64   # max_new, counted without a copy
 
 
+@pytest.mark.parametrize("kind", ["moe", "moe_fused", "next"])
+def test_greedy_identical_with_routing_in_one_launch(models, kind, monkeypatch):
+    """With MOE_ROUTER_TOPK_MAX_T, decode steps of up to that many tokens route through moe_router_topk (prefill
+    chunks through the pair): each sequence's greedy tokens stay transformers'."""
+    from ninfer.runtime.models import blocks
+    monkeypatch.setattr(blocks, "MOE_ROUTER_TOPK_MAX_T", 2)
+    hf, art = models(kind)
+    prompts = [prompt(1, 101), prompt(20, 120)]
+    eng = Engine(art, backend="reference", max_context=128, max_seqs=2, prefill_chunk=5)
+    ran, run = [], eng.be.run
+    eng.be.run = lambda op, **a: (ran.append(op), run(op, **a))[1]
+    seqs = eng.generate(prompts, max_new=24)
+    for ids, seq in zip(prompts, seqs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert seq.generated == ref[0, len(ids):].tolist()
+    assert "moe_router_topk" in ran and "moe_router" in ran
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_batch_of_8_equals_each_alone(models, kind):
     _, art = models(kind)
