@@ -28,6 +28,8 @@ CASES = [
     ("linear", {"N": 12288, "K": 5120}, [1, 4096]),
     ("rms_norm_zc", {"H": 5120}, [1, 8, 4096]),
     ("add_rms_norm_zc", {"H": 5120}, [1, 8, 4096]),
+    # a 35B-A3B MoE layer's end: the shared expert's gate add, the add-norm, and the two in one launch
+    *((op, {"H": 2048}, [1, 8]) for op in ("sigmoid_gate_add", "add_rms_norm_zc", "sigmoid_gate_add_rms_norm_zc")),
     ("rms_norm", {"H": 128}, [48, 48 * 4096]),
     ("add", {"H": 5120}, [1, 4096]),
     ("silu_and_mul", {"I": 17408}, [1, 4096]),

@@ -153,10 +153,13 @@ def expert_problems(cfg, stored: dict) -> list[tuple[str, dict]]:
 
 def layer_problems(cfg) -> list[tuple[str, dict]]:
     """The other per-layer ops with several routes and plain-tensor inputs: the residual norms ({H}) and, in a
-    MoE model, the router ({E, H})."""
+    MoE model, the router ({E, H}) and the add-norm with the shared expert's gate add ({H}, MOE_GATE_ADD_NORM)."""
+    from ninfer.runtime.models import blocks
     out = [("add_rms_norm_zc", {"H": cfg.hidden}), ("rms_norm_zc", {"H": cfg.hidden})]
     if cfg.experts:
         out.append(("moe_router", {"E": cfg.experts, "H": cfg.hidden}))
+        if blocks.MOE_GATE_ADD_NORM:
+            out.append(("sigmoid_gate_add_rms_norm_zc", {"H": cfg.hidden}))
     return out
 
 

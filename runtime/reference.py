@@ -28,6 +28,10 @@ def add_rms_norm_zc(a, b, w, eps):
     return {"s": s, "y": _norm(s, eps) * (1 + w)}
 
 
+def sigmoid_gate_add_rms_norm_zc(a, b, c, g, w, eps):
+    return add_rms_norm_zc(a, sigmoid_gate_add(b, c, g)["y"], w, eps)
+
+
 def add(a, b):
     return {"y": a + b}
 
@@ -368,7 +372,7 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
     return {"ids": ids}
 
 
-REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
+REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, sigmoid_gate_add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
                                       linear_swiglu, attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split,
                                       kv_cache_write_fp8, paged_attention_fp8, paged_attention_split_fp8, merge_attn_states, gdn_conv, gdn_gates,
                                       gdn_delta_rule, gdn_gated_norm, gdn_decode, moe_router, moe_topk, moe_router_topk, moe_experts, moe_align, moe_sum,

@@ -12,6 +12,7 @@ PROBLEMS = {
     "rms_norm": [{"H": 128}, {"H": 5120}],
     "rms_norm_zc": [{"H": 256}, {"H": 5120}],
     "add_rms_norm_zc": [{"H": 264}, {"H": 5120}],
+    "sigmoid_gate_add_rms_norm_zc": [{"H": 264}, {"H": 2048}, {"H": 5120}],
     "add": [{"H": 264}, {"H": 5120}],
     "silu_and_mul": [{"I": 136}, {"I": 17408}],
     "sigmoid_mul": [{"N": 200}, {"N": 6144}],

@@ -67,6 +67,11 @@ MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", 65)
 # sizes only. Written after the last GPU call (PERF_NOTES.md, session 26): off until it has run on a GPU;
 # NINFER_MOE_ROUTER_TOPK_MAX_T=2 turns it on (A/B runs).
 MOE_ROUTER_TOPK_MAX_T = _env_tokens("NINFER_MOE_ROUTER_TOPK_MAX_T", None) or 0
+# A MoE block returns its routed sum and gated shared expert unsummed (GatedSum) and the residual add-norm after it
+# sums them (sigmoid_gate_add_rms_norm_zc: one launch a layer fewer than sigmoid_gate_add + add_rms_norm_zc, the
+# same bf16 results). Written after the last GPU call (PERF_NOTES.md, session 26): off until it has run on a GPU;
+# NINFER_MOE_GATE_ADD_NORM=1 turns it on (A/B runs).
+MOE_GATE_ADD_NORM = os.environ.get("NINFER_MOE_GATE_ADD_NORM", "0") == "1"
 
 
 # Attention of steps up to ATTN_SPLIT_MAX_T tokens (decode batches) as flash decoding: paged_attention_split cuts each
@@ -195,15 +200,30 @@ def rms_norm_zc(be, x, w, eps):
     return y
 
 
+@dataclass
+class GatedSum:
+    """A MoE block's output left unsummed: y + sigmoid(g) · shared, added by the add-norm that follows it."""
+    y: torch.Tensor
+    shared: torch.Tensor
+    g: torch.Tensor
+
+    def sum(self, be) -> torch.Tensor:
+        be.run("sigmoid_gate_add", a=self.y, b=self.shared, g=self.g, y=self.y)
+        return self.y
+
+
 def add_rms_norm_zc(be, h, b, w, eps):
-    """h += b in place; returns rms_norm_zc(h) (one fused op)."""
+    """h += b in place (b a tensor or a GatedSum); returns rms_norm_zc(h) (one fused op)."""
     y = torch.empty_like(h)
-    be.run("add_rms_norm_zc", a=h, b=b, w=w, s=h, y=y, eps=eps)
+    if isinstance(b, GatedSum):
+        be.run("sigmoid_gate_add_rms_norm_zc", a=h, b=b.y, c=b.shared, g=b.g, w=w, s=h, y=y, eps=eps)
+    else:
+        be.run("add_rms_norm_zc", a=h, b=b, w=w, s=h, y=y, eps=eps)
     return y
 
 
 def add_(be, h, b):
-    be.run("add", a=h, b=b, y=h)
+    be.run("add", a=h, b=b.sum(be) if isinstance(b, GatedSum) else b, y=h)
 
 
 class GatedAttention:
@@ -383,8 +403,8 @@ class SparseMoE:
             shared, g = self.shared(be, x), linear(be, x, self.shared_gate)
         else:   # join (the side stream's tensors are next reused after the next fork, which waits for this stream)
             torch.cuda.current_stream(x.device).wait_stream(side)
-        be.run("sigmoid_gate_add", a=y, b=shared, g=g, y=y)
-        return y
+        out = GatedSum(y, shared, g)
+        return out if MOE_GATE_ADD_NORM else out.sum(be)
 
     def route(self, be, x, logits, weights, ids):
         """Router logits, then each token's top-k experts (weights, ids): one launch for decode sizes where the

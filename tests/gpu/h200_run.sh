@@ -3,7 +3,7 @@
 # The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
-#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl router-ab" (default: tests bench-27b bench-35b)
+#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab" (default: tests bench-27b bench-35b)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
@@ -59,10 +59,10 @@ for stage in $STAGES; do
         NINFER_FP8_W8A8_MIN_T=$min_t timeout 120 $PY -m ninfer.cli.perplexity kl .carry/oracle/dense.fp8.ninfer .carry/oracle/dense.ninfer \
           --ids "$OUT/kl-ids.txt" --window 512 --backend cuda --json 2>&1 | tee "$OUT/w8a8-kl-$min_t.log" | tail -1
       done ;;
-    router-ab)  # 35B-A3B q4 decode with the routing in one launch (moe_router_topk up to 2 tokens) and as the pair
-      for max_t in 2 off; do
-        NINFER_MOE_ROUTER_TOPK_MAX_T=$max_t timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b \
-          --weights q4 ${BENCH35:---prompts 1024 --concurrency 1,2,8 --steps 64 --prefill-reps 1} --json "$OUT/router-ab-$max_t.json" 2>&1 | tee "$OUT/router-ab-$max_t.log"
+    moe-decode-ab)  # 35B-A3B q4 decode: routing in one launch (moe_router_topk up to 2 tokens), then also the gate add in the add-norm, against neither
+      for form in "2 0" "2 1" "off 0"; do set -- $form
+        NINFER_MOE_ROUTER_TOPK_MAX_T=$1 NINFER_MOE_GATE_ADD_NORM=$2 timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b \
+          --weights q4 ${BENCH35:---prompts 1024 --concurrency 1,2,8 --steps 64 --prefill-reps 1} --json "$OUT/moe-decode-ab-$1-$2.json" 2>&1 | tee "$OUT/moe-decode-ab-$1-$2.log"
       done ;;
     chunk-ab)  # 27B q4 prefill with prefill chunks of 1024, 4096 and 8192 tokens
       for chunk in 1024 4096 8192; do

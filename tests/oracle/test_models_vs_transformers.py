@@ -78,11 +78,16 @@ def test_greedy_64_tokens_identical(models, kind, n):
 
 
 @pytest.mark.parametrize("kind", ["moe", "moe_fused", "next"])
-def test_greedy_identical_with_routing_in_one_launch(models, kind, monkeypatch):
+@pytest.mark.parametrize("fused", ["moe_router_topk", "sigmoid_gate_add_rms_norm_zc"])
+def test_greedy_identical_with_the_moe_decode_fusions(models, kind, fused, monkeypatch):
     """With MOE_ROUTER_TOPK_MAX_T, decode steps of up to that many tokens route through moe_router_topk (prefill
-    chunks through the pair): each sequence's greedy tokens stay transformers'."""
+    chunks through the pair); with MOE_GATE_ADD_NORM every MoE layer's shared-expert gate add runs inside the
+    add-norm after it (the last layer's plain add sums it first). Each sequence's greedy tokens stay transformers'."""
     from ninfer.runtime.models import blocks
-    monkeypatch.setattr(blocks, "MOE_ROUTER_TOPK_MAX_T", 2)
+    if fused == "moe_router_topk":
+        monkeypatch.setattr(blocks, "MOE_ROUTER_TOPK_MAX_T", 2)
+    else:
+        monkeypatch.setattr(blocks, "MOE_GATE_ADD_NORM", True)
     hf, art = models(kind)
     prompts = [prompt(1, 101), prompt(20, 120)]
     eng = Engine(art, backend="reference", max_context=128, max_seqs=2, prefill_chunk=5)
@@ -93,7 +98,11 @@ def test_greedy_identical_with_routing_in_one_launch(models, kind, monkeypatch):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
         assert seq.generated == ref[0, len(ids):].tolist()
-    assert "moe_router_topk" in ran and "moe_router" in ran
+    assert fused in ran
+    if fused == "moe_router_topk":
+        assert "moe_router" in ran
+    else:   # the last layer's add (a MoE layer) sums the gated branch with sigmoid_gate_add
+        assert "sigmoid_gate_add" in ran and ran.count(fused) > ran.count("sigmoid_gate_add")
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

@@ -121,6 +121,19 @@ def test_moe_router_topk_is_the_router_then_the_topk(be):
         be.run("moe_router_topk", x=x, w=w, counters=counters[:2], **got)
 
 
+def test_sigmoid_gate_add_rms_norm_zc_is_the_gate_add_then_the_add_norm(be):
+    """The fused op writes what sigmoid_gate_add then add_rms_norm_zc write (fp32: exactly), s in place of a."""
+    g = torch.Generator().manual_seed(5)
+    a, b, c = (torch.randn(3, 64, generator=g) for _ in range(3))
+    gate, w = torch.randn(3, 1, generator=g), torch.randn(64, generator=g) * 0.1
+    m, s, y = b.clone(), a.clone(), torch.empty(3, 64)
+    be.run("sigmoid_gate_add", a=m, b=c, g=gate, y=m)
+    be.run("add_rms_norm_zc", a=s, b=m, w=w, s=s, y=y)
+    s2, y2 = a.clone(), torch.empty(3, 64)
+    be.run("sigmoid_gate_add_rms_norm_zc", a=s2, b=b, c=c, g=gate, w=w, s=s2, y=y2)
+    assert torch.equal(s2, s) and torch.equal(y2, y)
+
+
 @pytest.mark.parametrize("fmt", ["q4", "q6", "fp8"])
 def test_moe_split_halves_compose_to_moe_experts(be, fmt):
     """moe_gate_up_<fmt> then moe_down_<fmt> (the decode form) computes moe_experts_<fmt>; a slot whose id is
