@@ -363,18 +363,18 @@ def test_sigmoid_gate_add_every_route(be, ref):
 @pytest.mark.parametrize("H", [2048, 5120, 264])
 def test_gate_add_norm_writes_what_the_two_ops_write(be, H):
     """sigmoid_gate_add_rms_norm_zc (s in place of a, as the model calls it) is bit-equal to sigmoid_gate_add then
-    add_rms_norm_zc, at every span boundary of its table."""
+    add_rms_norm_zc on the same norm route (its tile sets the sum's order), at every span boundary of its table."""
     spans = be.manifest.table(be.device.arch, "sigmoid_gate_add_rms_norm_zc", "bf16", {"H": H})
     for T in boundary_ts(spans):
         g = gen(40 + T + H)
         r = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()  # noqa: E731
         a, b, c, gate, w = r(T, H), r(T, H), r(T, H), r(T, 1), r(H) * 0.5
-        s_pair, m, y_pair = a.clone(), b.clone(), nan_like((T, H), torch.bfloat16)
-        be.run("sigmoid_gate_add", a=m, b=c, g=gate, y=m)
-        be.run("add_rms_norm_zc", a=s_pair, b=m, w=w, s=s_pair, y=y_pair)
         s, y = a.clone(), nan_like((T, H), torch.bfloat16)
         plan = be.plan("sigmoid_gate_add_rms_norm_zc", a=s, b=b, c=c, g=gate, w=w, s=s, y=y)
         plan()
+        s_pair, m, y_pair = a.clone(), b.clone(), nan_like((T, H), torch.bfloat16)
+        be.run("sigmoid_gate_add", a=m, b=c, g=gate, y=m)
+        be.plan("add_rms_norm_zc", route=plan.kernel.instance, a=s_pair, b=m, w=w, s=s_pair, y=y_pair)()
         torch.cuda.synchronize()
         what = f"sigmoid_gate_add_rms_norm_zc T={T} H={H} via {plan.kernel.instance}"
         assert torch.equal(s, s_pair), f"{what}: s differs from the pair's"
