@@ -59,10 +59,13 @@ for stage in $STAGES; do
         NINFER_FP8_W8A8_MIN_T=$min_t timeout 120 $PY -m ninfer.cli.perplexity kl .carry/oracle/dense.fp8.ninfer .carry/oracle/dense.ninfer \
           --ids "$OUT/kl-ids.txt" --window 512 --backend cuda --json 2>&1 | tee "$OUT/w8a8-kl-$min_t.log" | tail -1
       done ;;
-    moe-decode-ab)  # 35B-A3B q4 decode: routing in one launch (moe_router_topk up to 2 tokens), then also the gate add in the add-norm, against neither
-      for form in "2 0" "2 1" "off 0"; do set -- $form
-        NINFER_MOE_ROUTER_TOPK_MAX_T=$1 NINFER_MOE_GATE_ADD_NORM=$2 timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b \
-          --weights q4 ${BENCH35:---prompts 1024 --concurrency 1,2,8 --steps 64 --prefill-reps 1} --json "$OUT/moe-decode-ab-$1-$2.json" 2>&1 | tee "$OUT/moe-decode-ab-$1-$2.log"
+    moe-decode-ab)  # 35B-A3B q4 decode: neither fusion; routing in one launch; also the gate add in the add-norm; moe_down's
+      # pre tiles against the same tile without (both forced, so a forced route's own cost cancels)
+      i=0; for form in "NINFER_MOE_ROUTER_TOPK_MAX_T=off" "NINFER_MOE_ROUTER_TOPK_MAX_T=2" \
+          "NINFER_MOE_ROUTER_TOPK_MAX_T=2 NINFER_MOE_GATE_ADD_NORM=1" "NINFER_ROUTES=moe_down_q4=gemv.t2k8" "NINFER_ROUTES=moe_down_q4=gemv.t2k8p"; do
+        i=$((i + 1)); echo "# form $i: $form"
+        env $form timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b --weights q4 \
+          ${BENCH35:---prompts 1024 --concurrency 1,2,8 --steps 64 --prefill-reps 1} --json "$OUT/moe-decode-ab-$i.json" 2>&1 | tee "$OUT/moe-decode-ab-$i.log"
       done ;;
     chunk-ab)  # 27B q4 prefill with prefill chunks of 1024, 4096 and 8192 tokens
       for chunk in 1024 4096 8192; do
