@@ -9,6 +9,16 @@ LANE = np.arange(32)
 G_, C_ = LANE // 4, LANE % 4   # groupID and thread-in-group of each lane
 
 
+def swizzle16(r: int, c: int, row_bytes: int) -> int:
+    """The mma templates' swz(): byte offset of 16-byte chunk c of row r in a tile of row_bytes-byte rows (rows of
+    8+ chunks XOR the chunk with the row's low bits; shorter rows swizzle the chunk's index over the tile)."""
+    kc = row_bytes // 16
+    if kc >= 8:
+        return r * row_bytes + ((c ^ (r & 7)) << 4)
+    u = r * kc + c
+    return (u ^ ((u >> 3) & 7)) << 4
+
+
 def bf16_pairs_to_f64(words: np.ndarray) -> np.ndarray:
     """u32 [...] (two bf16) -> float64 [..., 2] (low half first)."""
     w = np.asarray(words, np.uint32)

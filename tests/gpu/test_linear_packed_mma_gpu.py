@@ -22,7 +22,7 @@ import yaml
 
 from ninfer.runtime import formats
 from ninfer.runtime.reference_quant import unpack
-from tests.mma_emulation import LANE, byte_perm, mma_16816
+from tests.mma_emulation import LANE, byte_perm, mma_16816, swizzle16
 
 ROOT = Path(__file__).resolve().parents[2]
 FMTS = ["q4", "q5", "q6", "w8", "fp8"]
@@ -76,11 +76,7 @@ class Layout:
 
 def swz(bk: int, r: int, c: int) -> int:
     """Element offset of 16-byte chunk c of row r in a [rows][bk] bf16 tile (the template's swz)."""
-    kc = bk // 8
-    if kc >= 8:
-        return r * bk + ((c ^ (r & 7)) << 3)
-    u = r * kc + c
-    return (u ^ ((u >> 3) & 7)) << 3
+    return swizzle16(r, c, 2 * bk) // 2
 
 
 def bf16_value(h: int) -> float:

@@ -10,16 +10,12 @@ import torch
 from ninfer.runtime.format_fp8 import E4M3_VALUES
 from ninfer.runtime.formats import encode
 from ninfer.runtime.reference_quant import fp8_codes_and_scales
-from tests.mma_emulation import C_, G_, LANE
+from tests.mma_emulation import C_, G_, LANE, swizzle16
 
 
 def swz(r: int, c: int, bk: int) -> int:
     """The template's swz() in FP8 mode: the byte offset of 16-byte chunk c of row r in a [rows][bk] tile."""
-    kc = bk // 16
-    if kc >= 8:
-        return r * bk + ((c ^ (r & 7)) << 4)
-    u = r * kc + c
-    return (u ^ ((u >> 3) & 7)) << 4
+    return swizzle16(r, c, bk)
 
 
 def ldmatrix_x4(smem: np.ndarray, addrs: np.ndarray) -> np.ndarray:
