@@ -18,6 +18,7 @@ import click
 
 from ninfer.cli.bench_inputs import GDN_K_HEADS, SAMPLING, by_name, make_inputs, op_bytes, op_flops, timing_sets
 from ninfer.cli.bench_serve import serve_cmd
+from ninfer.cli.bench_spec import spec_cmd
 from ninfer.runtime.kv_dtype import KV_CACHE_DTYPES, kv_element_bytes
 
 MOE_35B = {"H": 2048, "E": 256, "I": 512, "K": 8}
@@ -547,6 +548,7 @@ def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, p
 
 
 main.add_command(serve_cmd)   # `ninfer-bench serve` (cli/bench_serve.py)
+main.add_command(spec_cmd)    # `ninfer-bench spec` (cli/bench_spec.py)
 
 if __name__ == "__main__":
     main()

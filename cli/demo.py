@@ -118,6 +118,42 @@ def demo_config(hidden: int = 128):
         bos_token_id=None, eos_token_id=248046, pad_token_id=248044)
 
 
+def write_mtp_shard(d: Path, cfg: dict, seed: int) -> None:
+    """Write `mtp.safetensors` the way real Qwen3.5/3.6 checkpoints name the MTP layer (save_pretrained never writes
+    it): fc [H, 2H], two pre-fc norms, one full-attention decoder layer (a dense MLP, or with `num_experts` in cfg a
+    sparse MoE with a shared expert, per-expert names), a final norm; random bf16 values (std 0.02)."""
+    import torch
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    H, nH, nKV, D = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    p = "mtp.layers.0."
+    shapes = {
+        "mtp.fc.weight": [H, 2 * H],
+        "mtp.pre_fc_norm_embedding.weight": [H], "mtp.pre_fc_norm_hidden.weight": [H],
+        "mtp.norm.weight": [H],
+        p + "input_layernorm.weight": [H], p + "post_attention_layernorm.weight": [H],
+        p + "self_attn.q_proj.weight": [2 * nH * D, H],
+        p + "self_attn.k_proj.weight": [nKV * D, H],
+        p + "self_attn.v_proj.weight": [nKV * D, H],
+        p + "self_attn.o_proj.weight": [H, nH * D],
+        p + "self_attn.q_norm.weight": [D], p + "self_attn.k_norm.weight": [D],
+    }
+    if "num_experts" in cfg:
+        E, I, Is = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+        shapes[p + "mlp.gate.weight"] = [E, H]
+        for e in range(E):
+            shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": [I, H], f"{p}mlp.experts.{e}.up_proj.weight": [I, H],
+                           f"{p}mlp.experts.{e}.down_proj.weight": [H, I]})
+        shapes.update({p + "mlp.shared_expert.gate_proj.weight": [Is, H], p + "mlp.shared_expert.up_proj.weight": [Is, H],
+                       p + "mlp.shared_expert.down_proj.weight": [H, Is], p + "mlp.shared_expert_gate.weight": [1, H]})
+    else:
+        I = cfg["intermediate_size"]
+        shapes.update({p + "mlp.gate_proj.weight": [I, H], p + "mlp.up_proj.weight": [I, H],
+                       p + "mlp.down_proj.weight": [H, I]})
+    tensors = {k: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for k, s in shapes.items()}
+    save_file(tensors, str(d / "mtp.safetensors"), metadata={"format": "pt"})
+
+
 GENERATION_CONFIG = {"bos_token_id": 248044, "eos_token_id": [248046, 248044], "pad_token_id": 248044,
                      "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 
@@ -131,6 +167,7 @@ def write_checkpoint(d: Path, seed: int = 0, hidden: int = 128) -> Path:
     model = tf.Qwen3_5ForCausalLM(demo_config(hidden)).to(torch.bfloat16)
     model.save_pretrained(d)
     del model
+    write_mtp_shard(d, demo_config(hidden).to_dict(), seed + 1)   # ninfer-serve --speculative-config runs on it
     cfg = json.loads((d / "config.json").read_text("utf-8"))
     cfg[DEMO_MARKER] = "random weights: the output is noise"
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", "utf-8")

@@ -207,10 +207,14 @@ def memory_report(engine) -> dict:
               help="auto: cuda when a GPU is present, else the reference (torch, CPU) backend.")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="KV cache storage: auto = the model's dtype; fp8 = E4M3 codes (half the bytes; sm_89+ on a GPU).")
+@click.option("--speculative-config", default=None, metavar="JSON",
+              help='Speculative decoding with the checkpoint\'s MTP layer (vLLM\'s form): \'{"method": "mtp", '
+                   '"num_speculative_tokens": 3}\': the same tokens as without it (the same draws with --seed), up '
+                   'to that many + 1 a step.')
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, finish reason, timings).")
 def main(artifact, prompt, messages_file, max_new, max_context, prefill_chunk, greedy, temperature, top_k, top_p,
          min_p, presence_penalty, frequency_penalty, seed, stops, stop_token_ids, no_thinking, raw_output,
-         template_file, backend, kv_cache_dtype, as_json):
+         template_file, backend, kv_cache_dtype, speculative_config, as_json):
     """Generate a reply from the model in ARTIFACT (.ninfer)."""
     if (prompt is None) == (messages_file is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --messages FILE")
@@ -277,6 +281,13 @@ def main(artifact, prompt, messages_file, max_new, max_context, prefill_chunk, g
     except ValueError as e:
         fail(str(e))
     stop_ids = list(stop_token_ids) if stop_token_ids else default_stop_ids(gen, tok)
+    spec = None
+    if speculative_config is not None:
+        from ninfer.runtime.speculative import SpeculativeConfig, SpeculativeConfigError
+        try:
+            spec = SpeculativeConfig.parse(speculative_config)
+        except SpeculativeConfigError as e:
+            fail(str(e))
 
     # The weights: only now.
     from ninfer.runtime.cache import CapacityError
@@ -286,7 +297,7 @@ def main(artifact, prompt, messages_file, max_new, max_context, prefill_chunk, g
         t_load = time.perf_counter()
         try:
             engine = _engine_class()(artifact, backend=backend, max_context=max_context, max_seqs=1,
-                                     prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype)
+                                     prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, speculative=spec)
         except (ArtifactError, ConfigError, EngineError, OSError) as e:
             fail(str(e))
         except (RuntimeError, ValueError) as e:   # e.g. --backend cuda without a usable GPU
@@ -314,11 +325,12 @@ def report(seq, out: Output, engine, load_s: float, as_json: bool) -> None:
                "prefill_tok_s": n_prompt / seq.prefill_s if seq.prefill_s > 0 else None,
                "decode_tok_s": decode_steps / seq.decode_s if seq.decode_s > 0 else None}
     mem = memory_report(engine)
+    spec = dict(engine.spec.stats, accepted_per_pos=engine.spec.accepted_per_pos) if engine.spec is not None else None
     if as_json:
         click.echo(json.dumps({"prompt_token_ids": seq.prompt, "token_ids": seq.generated, "text": out.text,
                                "reasoning": out.reasoning, "content": out.content,
                                "finish_reason": seq.finish_reason, "stop": out.stops.hit,
-                               "timings": timings, "memory": mem, "backend": engine.be.name},
+                               "timings": timings, "memory": mem, "backend": engine.be.name, "speculative": spec},
                               ensure_ascii=False))
         return
     rate = lambda v: f"{v:.1f} tok/s" if v is not None else "n/a"  # noqa: E731
@@ -331,6 +343,11 @@ def report(seq, out: Output, engine, load_s: float, as_json: bool) -> None:
     if "gpu_peak_bytes" in mem:
         line += f", GPU peak {mem['gpu_peak_bytes'] / MiB:.0f} MiB"
     click.echo(line, err=True)
+    if spec is not None:
+        rate = spec["num_accepted_tokens"] / spec["num_draft_tokens"] if spec["num_draft_tokens"] else 0.0
+        click.echo(f"speculative (MTP): {spec['num_drafts']} rounds with drafts, {spec['num_accepted_tokens']} of "
+                   f"{spec['num_draft_tokens']} drafts accepted ({100 * rate:.0f} %), by position "
+                   f"{spec['accepted_per_pos']}", err=True)
 
 
 if __name__ == "__main__":

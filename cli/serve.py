@@ -102,10 +102,15 @@ def shout(text: str) -> None:
               help="Folder for llama.cpp-style POST /slots/{id}?action=save|restore|erase: a slot retained by prefix "
                    "caching (a finished prompt's KV pages and GDN states) to or from a file there, e.g. to keep a "
                    "long session across restarts. Off when not given.")
+@click.option("--speculative-config", default=None, metavar="JSON",
+              help='Speculative decoding with the checkpoint\'s MTP layer, as vLLM takes it: \'{"method": "mtp", '
+                   '"num_speculative_tokens": 3}\' (1..8 drafts a round). Each request commits up to that many + 1 '
+                   'tokens a step, exactly the tokens plain decoding gives (the same draws for seeded sampling). '
+                   'Off when not given.')
 def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_context, max_pending_requests,
          pending_timeout_ms, max_request_mib, default_max_tokens, request_log_jsonl, request_log_max_mib,
          request_log_keep, tolerant_tool_calls, chat_template, backend, prefill_chunk, prefill_chunk_decoding,
-         kv_cache_dtype, enable_prefix_caching, prefix_snapshots, cache_ram_mib, slot_save_path):
+         kv_cache_dtype, enable_prefix_caching, prefix_snapshots, cache_ram_mib, slot_save_path, speculative_config):
     """Serve ARTIFACT (a .ninfer file) over OpenAI Chat Completions, OpenAI Responses and Anthropic Messages."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if demo == (artifact is not None):
@@ -129,7 +134,7 @@ def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_con
                           prefill_chunk=prefill_chunk, prefill_chunk_decoding=prefill_chunk_decoding,
                           kv_cache_dtype=kv_cache_dtype, prefix_caching=enable_prefix_caching,
                           prefix_snapshots=prefix_snapshots, cache_ram_mib=cache_ram_mib,
-                          slot_save_path=slot_save_path, demo=demo))
+                          slot_save_path=slot_save_path, speculative_config=speculative_config, demo=demo))
     except KeyboardInterrupt:
         pass
 
@@ -138,12 +143,13 @@ def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending
                 max_request_mib=64.0, default_max_tokens=8192, log_path=None, log_max_mib=64.0, log_keep=3,
                 tolerant=False, template=None, backend="auto", prefill_chunk=4096, prefill_chunk_decoding=512,
                 kv_cache_dtype="auto", prefix_caching=True, prefix_snapshots=2, cache_ram_mib=0, slot_save_path=None,
-                api_key=None, engine=None):
+                speculative_config=None, api_key=None, engine=None):
     """Engine, scheduler and server state (also what tests start in-process)."""
     from ninfer.runtime.artifact import ArtifactError
     from ninfer.runtime.chat import ChatError
     from ninfer.runtime.engine import Engine, EngineError
     from ninfer.runtime.scheduler import Scheduler
+    from ninfer.runtime.speculative import SpeculativeConfig
     from ninfer.runtime.tokenizer import TokenizerError
     from ninfer.server.generation import ModelText
     from ninfer.server.metrics import Metrics
@@ -152,10 +158,11 @@ def build_state(artifact, *, model_id, max_concurrency, max_context, max_pending
     from ninfer.server.state import AppState, ServerConfig
     try:
         if engine is None:
+            spec = SpeculativeConfig.parse(speculative_config) if speculative_config is not None else None
             engine = Engine(artifact, backend=backend, max_context=max_context, max_seqs=max_concurrency,
                             prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
                             prefix_snapshots=prefix_snapshots if prefix_caching else 0,
-                            cache_ram_bytes=cache_ram_mib << 20)
+                            cache_ram_bytes=cache_ram_mib << 20, speculative=spec)
         text = ModelText(engine.art, template)
     except (ArtifactError, EngineError, TokenizerError, ChatError, OSError, ValueError) as e:
         raise click.ClickException(str(e)) from None
@@ -184,12 +191,14 @@ async def serve(artifact, *, host, port, demo=False, api_key=None, **options) ->
                             backend=engine.be.name, max_concurrency=engine.cache.max_seqs,
                             max_context=state.max_context, kv_pages=engine.cache.num_pages,
                             kv_cache_dtype=engine.kv_cache_dtype, prefix_caching=engine.cache.prefix_caching,
+                            speculative=engine.spec.config.__dict__ if engine.spec is not None else None,
                             prefill_chunk=engine.prefill_chunk,
                             prefill_chunk_decoding=state.scheduler.prefill_chunk_decoding, auth=bool(api_key), demo=demo,
                             argv=_redacted(sys.argv))
     click.echo(f"ninfer-serve: {state.model_id} on http://{host}:{bound}  (backend {engine.be.name}, "
                f"{engine.cache.max_seqs} lanes, context {state.max_context}, {engine.cache.num_pages} KV pages "
-               f"(kv cache {engine.kv_cache_dtype}, prefix caching {'on' if engine.cache.prefix_caching else 'off'}), "
+               f"(kv cache {engine.kv_cache_dtype}, prefix caching {'on' if engine.cache.prefix_caching else 'off'}"
+               + (f", MTP speculative decoding with {engine.spec.k} drafts" if engine.spec is not None else "") + "), "
                f"ready in {time.perf_counter() - t0:.1f} s)", err=True)
     click.echo(f"  OpenAI:    http://{host}:{bound}/v1  (chat/completions, responses, models)\n"
                f"  Anthropic: http://{host}:{bound}  (v1/messages, v1/messages/count_tokens)\n"

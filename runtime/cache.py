@@ -19,6 +19,10 @@ host memory (export_lane's image) within a byte budget, oldest images dropped fi
 serves further than any retained lane brings it back into a lane (import_lane) before the lane is taken. Many more
 conversations than lanes then keep their prefixes.
 
+Speculative decoding (MTP): the MTP layer's KV lives in the same pages (key "mtp" of `kv`), and each lane's GDN
+state is copied aside before a verify step (save_states) so that the lanes whose drafts were rejected can be
+rolled back to it (restore_states) and re-run over the tokens they kept.
+
 Prefix snapshots: a prompt may name a position to snapshot (the server names the end of its first turn, the
 system prompt and tool list that a new conversation repeats). The KV of the tokens before it is copied into pages
 of the snapshot's own and the GDN state into one of a few snapshot slots; a later prompt that starts with those
@@ -82,7 +86,8 @@ class Snapshot:
 class SequenceCache:
     def __init__(self, cfg: HybridConfig, *, max_seqs: int, max_context: int, page_size: int, device,
                  dtype: torch.dtype, num_pages: int | None = None, kv_dtype: torch.dtype | None = None,
-                 prefix_caching: bool = False, prefix_snapshots: int = 0, cache_ram_bytes: int = 0):
+                 prefix_caching: bool = False, prefix_snapshots: int = 0, cache_ram_bytes: int = 0,
+                 mtp: bool = False):
         self.cfg, self.page_size, self.max_context, self.max_seqs = cfg, page_size, max_context, max_seqs
         self.device = torch.device(device)
         self.pages_per_seq = -(-max_context // page_size)
@@ -91,6 +96,8 @@ class SequenceCache:
         kv_dtype = kv_dtype or dtype   # uint8: E4M3 codes (code 0 is 0.0)
         self.kv = {i: (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
                    for i in range(cfg.layers) if cfg.is_attention(i)}
+        if mtp:   # the MTP layer's own KV (speculative decoding), in the same pages
+            self.kv["mtp"] = (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
         # slot max_seqs is scratch for padding rows; real sequences use 0..max_seqs-1
         self.gdn = {i: (torch.zeros(max_seqs + 1, cfg.conv_channels, cfg.conv_width - 1, dtype=dtype, device=device),
                         torch.zeros(max_seqs + 1, cfg.v_heads, cfg.k_dim, cfg.v_dim, dtype=torch.float32, device=device))
@@ -110,6 +117,9 @@ class SequenceCache:
         self.snapshot_states = {i: (conv[:prefix_snapshots].clone(), state[:prefix_snapshots].clone())
                                 for i, (conv, state) in self.gdn.items()} if prefix_snapshots else {}
         self.snapshots: dict[tuple, Snapshot] = {}
+        # speculative decoding: each lane's GDN state before its verify step
+        self.spec_states = {i: (conv[:max_seqs].clone(), state[:max_seqs].clone())
+                            for i, (conv, state) in self.gdn.items()} if mtp else {}
         self.free_snapshot_slots = list(range(prefix_snapshots))
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
         self.free_slots = list(range(max_seqs - 1, -1, -1))
@@ -117,7 +127,8 @@ class SequenceCache:
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for pair in (*self.kv.values(), *self.gdn.values(), *self.checkpoints.values(),
-                                *self.snapshot_states.values(), (self.checkpoint_logits,)) for t in pair)
+                                *self.snapshot_states.values(), *self.spec_states.values(), (self.checkpoint_logits,))
+                   for t in pair)
 
     def admit(self, total_tokens: int) -> None:
         """Refuse up front what could never fit, whatever else is running."""
@@ -150,6 +161,21 @@ class SequenceCache:
             self.free_slots.append(slot)
         self.free_pages.extend(reversed(pages))
         pages.clear()
+
+    # -- speculative decoding ----------------------------------------------------------------------------
+    def save_states(self, slots: torch.Tensor) -> None:
+        """Copy the GDN states of lanes `slots` (an index tensor) aside, before a verify step advances them."""
+        slots = slots.long()
+        for i, (conv, state) in self.gdn.items():
+            for aside, t in zip(self.spec_states[i], (conv, state)):
+                aside.index_copy_(0, slots, t.index_select(0, slots))
+
+    def restore_states(self, slots: torch.Tensor) -> None:
+        """Put back the GDN states save_states copied aside, for lanes `slots`."""
+        slots = slots.long()
+        for i, (conv, state) in self.gdn.items():
+            for aside, t in zip(self.spec_states[i], (conv, state)):
+                t.index_copy_(0, slots, aside.index_select(0, slots))
 
     # -- prefix caching --------------------------------------------------------------------------------
     def checkpoint(self, slot: int, logits: torch.Tensor, tokens: int) -> None:
@@ -274,6 +300,8 @@ class SequenceCache:
         n_pages = -(-len(tokens) // self.page_size)
         want = {}
         for i, (k, _) in self.kv.items():
+            if i == "mtp" and "kv.mtp.k" not in tensors:   # an image saved without speculative decoding
+                continue
             want[f"kv.{i}.k"] = want[f"kv.{i}.v"] = ((n_pages, *k.shape[1:]), k.dtype)
         for i, (conv, state) in self.gdn.items():
             parts = ("checkpoint.", "") if live else ("checkpoint.",)
@@ -299,7 +327,8 @@ class SequenceCache:
         pages = [self.free_pages.pop() for _ in range(n_pages)]
         idx = torch.tensor(pages, device=self.device)
         for i, (k, v) in self.kv.items():
-            k[idx], v[idx] = tensors[f"kv.{i}.k"].to(self.device), tensors[f"kv.{i}.v"].to(self.device)
+            if f"kv.{i}.k" in want:   # (the MTP layer's KV, when the image lacks it, only shapes later drafts)
+                k[idx], v[idx] = tensors[f"kv.{i}.k"].to(self.device), tensors[f"kv.{i}.v"].to(self.device)
         for i, (conv, state) in self.gdn.items():
             self.checkpoints[i][0][slot].copy_(tensors[f"gdn.{i}.checkpoint.conv"])
             self.checkpoints[i][1][slot].copy_(tensors[f"gdn.{i}.checkpoint.state"])
@@ -409,7 +438,7 @@ def _copy_states(dst: dict, di: int, src: dict, si: int) -> None:
 
 def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_context: int, page_size: int,
                   prefill_chunk: int, kv_capacity: str | int = "auto", scratch_bytes: int = 0,
-                  prefix_caching: bool = False, prefix_snapshots: int = 0) -> int:
+                  prefix_caching: bool = False, prefix_snapshots: int = 0, mtp: bool = False) -> int:
     """KV pages to allocate: every lane at full context when that fits; with `auto` on a GPU, what is left
     after the weights, the GDN states and a workspace reserve. Refuses a context that cannot fit once."""
     pages_per_seq = -(-max_context // page_size)
@@ -419,8 +448,9 @@ def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_contex
     if torch.device(device).type != "cuda":
         return want
     attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
-    page_bytes = 2 * attn_layers * page_size * cfg.kv_heads * cfg.head_dim * kv_dtype.itemsize
-    gdn_slots = max_seqs + 1 + (max_seqs if prefix_caching else 0) + prefix_snapshots   # + checkpoints, snapshots
+    page_bytes = 2 * (attn_layers + mtp) * page_size * cfg.kv_heads * cfg.head_dim * kv_dtype.itemsize
+    # lanes and scratch + checkpoints, snapshots, the states kept aside for speculative verify steps
+    gdn_slots = max_seqs + 1 + (max_seqs if prefix_caching else 0) + prefix_snapshots + (max_seqs if mtp else 0)
     gdn_bytes = (cfg.layers - attn_layers) * gdn_slots * (
         cfg.v_heads * cfg.k_dim * cfg.v_dim * 4 + cfg.conv_channels * (cfg.conv_width - 1) * 2)
     free, _ = torch.cuda.mem_get_info(device)

@@ -1,7 +1,8 @@
 """The engine: load an artifact, plan memory, and generate for a batch of sequences.
 
-Prefill runs in chunks (one sequence per step); decode runs every live sequence in one step. Both go
-through the model file of the artifact's family on the chosen backend.
+Prefill runs in chunks (one sequence per step); decode runs every live sequence in one step, or, with speculative
+decoding, in one verify round (speculative.py). All go through the model file of the artifact's family
+on the chosen backend.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .kv_dtype import KV_CACHE_DTYPES
 from .models import MODELS
 from .models.blocks import Step, dequant_scratch_bytes, prefill_workspace_bytes
 from .models.config import HybridConfig, parse_config
+from .speculative import MtpSpeculator, SpeculativeConfig
 from .weights import load_weights
 
 
@@ -81,6 +83,7 @@ class Sequence:
     checkpointed: int = 0                                # of those, what the lane's checkpoint still covers
     snapshot_at: int = 0                                 # keep a prefix snapshot of the first this many tokens
     tokens: list[int] = field(default_factory=list)      # prompt + generated
+    drafts: list[int] = field(default_factory=list)      # speculative decoding: tokens proposed after `tokens`
     finish_reason: str | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -111,10 +114,12 @@ class Engine:
     def __init__(self, artifact_path, *, backend: str = "auto", max_context: int = 4096, max_seqs: int = 8,
                  page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
                  cuda_graphs: bool = True, packed_weights: bool | None = None, kv_cache_dtype: str = "auto",
-                 prefix_caching: bool = False, prefix_snapshots: int = 0, cache_ram_bytes: int = 0):
+                 prefix_caching: bool = False, prefix_snapshots: int = 0, cache_ram_bytes: int = 0,
+                 speculative: SpeculativeConfig | None = None):
         """packed_weights: keep q4/q5/q6/w8/fp8 matrices packed (the packed ops decode them on the fly).
         Default: on the cuda backend; the reference backend decodes them once at load (its packed ops would
-        re-decode every matrix at every step: a CPU demo would crawl)."""
+        re-decode every matrix at every step: a CPU demo would crawl).
+        speculative: decode speculatively with the artifact's MTP layer (speculative.py)."""
         be = make_backend(backend)
         self.art = open_artifact(artifact_path)
         try:
@@ -122,12 +127,13 @@ class Engine:
             device = torch.device("cuda" if be.name == "cuda" else "cpu")
             # The reference backend computes in fp32 (the CPU oracle path); the generated kernels in bf16.
             packed = be.name == "cuda" if packed_weights is None else packed_weights
-            weights = load_weights(self.art, device, torch.bfloat16 if be.name == "cuda" else torch.float32, packed)
+            weights = load_weights(self.art, device, torch.bfloat16 if be.name == "cuda" else torch.float32, packed,
+                                   mtp=speculative is not None)
             self._setup(be, cfg, weights, token_domain(self.art, cfg.vocab), max_context=max_context,
                         max_seqs=max_seqs, page_size=page_size, prefill_chunk=prefill_chunk,
                         kv_capacity=kv_capacity, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype,
                         prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots,
-                        cache_ram_bytes=cache_ram_bytes)
+                        cache_ram_bytes=cache_ram_bytes, speculative=speculative)
         except BaseException:
             self.art.close()
             raise
@@ -144,7 +150,8 @@ class Engine:
     def _setup(self, be, cfg: HybridConfig, weights: dict, domain: int, *, max_context: int = 4096,
                max_seqs: int = 8, page_size: int = 16, prefill_chunk: int = 4096, kv_capacity: str | int = "auto",
                cuda_graphs: bool = True, kv_cache_dtype: str = "auto", prefix_caching: bool = False,
-               prefix_snapshots: int = 0, cache_ram_bytes: int = 0) -> None:
+               prefix_snapshots: int = 0, cache_ram_bytes: int = 0,
+               speculative: SpeculativeConfig | None = None) -> None:
         if prefill_chunk < 1 or max_context < 1 or not 1 <= max_seqs <= 8:
             raise EngineError("prefill_chunk and max_context must be >= 1 and max_seqs within 1..8")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -152,6 +159,9 @@ class Engine:
         prefill_chunk = min(prefill_chunk, max_context)   # no chunk holds more (the memory plan reserves for it)
         if cfg.family not in MODELS:
             raise EngineError(f"no model file for family {cfg.family!r} (have: {', '.join(MODELS)})")
+        if speculative is not None and "mtp.fc" not in weights:
+            raise EngineError(f"speculative method {speculative.method!r} needs the checkpoint's MTP layer (mtp.*), "
+                              f"which this artifact does not carry (convert it without --skip mtp)")
         self.be, self.cfg, self.weights, self.domain = be, cfg, weights, domain
         self.device = torch.device("cuda" if be.name == "cuda" else "cpu")
         self.dtype = torch.bfloat16 if be.name == "cuda" else torch.float32
@@ -164,11 +174,11 @@ class Engine:
             raise EngineError(f"kv_cache_dtype {kv_cache_dtype!r} needs {', '.join(missing)}, which have no kernels "
                               f"for this GPU ({be.device.arch}; the E4M3 conversions need sm_89 or newer): use 'auto'")
         num_pages = plan_kv_pages(cfg, self.device, kv_dtype, max_seqs, max_context, page_size, prefill_chunk,
-                                  kv_capacity, scratch, prefix_caching, prefix_snapshots)
+                                  kv_capacity, scratch, prefix_caching, prefix_snapshots, speculative is not None)
         self.cache = SequenceCache(cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
                                    device=self.device, dtype=self.dtype, num_pages=num_pages, kv_dtype=kv_dtype,
                                    prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots,
-                                   cache_ram_bytes=cache_ram_bytes)
+                                   cache_ram_bytes=cache_ram_bytes, mtp=speculative is not None)
         try:
             self.model = MODELS[cfg.family](cfg, weights, self.cache)
         except KeyError as e:
@@ -178,20 +188,28 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.graphs = DecodeGraphs(self) if be.name == "cuda" and cuda_graphs else None
         self._ahead: _Ahead | None = None   # a decode step queued for the next decode call (_decode_graphs)
+        self.spec = MtpSpeculator(self, speculative) if speculative is not None else None
 
     # -- steps -----------------------------------------------------------------------------------
     def _step(self, seqs: list[Sequence], spans: list[tuple[int, int]], all_rows: bool = False,
-              hidden_out: list | None = None) -> torch.Tensor:
+              hidden_out: list | None = None, normed: bool = False):
         """Run tokens [a, b) of each sequence; return the logits of each sequence's last token
-        (of every token with all_rows)."""
+        (of every token with all_rows), and with `normed` the final-normed hidden of every token."""
+        ids, step, rows = self._inputs(seqs, spans, all_rows)
+        return self.model.forward(self.be, ids, step, rows, hidden_out, normed)
+
+    def _inputs(self, seqs: list[Sequence], spans: list[tuple[int, int]], all_rows: bool = False, shift: int = 0):
+        """(ids, Step, logits rows) of a step over positions [a, b) of each sequence, its pages grown to cover
+        them; the ids are the tokens `shift` places on (tokens past the sequence's are its drafts)."""
         for seq, (a, b) in zip(seqs, spans):
             self.cache.grow(seq.pages, b)
-        ids, positions, token_seq, slot_mapping, qs, slots, rows, table = self._step_inputs(seqs, spans, all_rows)
+        ids, positions, token_seq, slot_mapping, qs, slots, rows, table = self._step_inputs(seqs, spans, all_rows, shift)
         step = Step(positions=positions, token_seq=token_seq, query_start=qs, slot_mapping=slot_mapping,
                     block_table=table, state_slots=slots, decode=all(b - a == 1 for a, b in spans))
-        return self.model.forward(self.be, ids, step, rows, hidden_out)
+        return ids, step, rows
 
-    def _step_inputs(self, seqs: list[Sequence], spans: list[tuple[int, int]], all_rows: bool) -> list[torch.Tensor]:
+    def _step_inputs(self, seqs: list[Sequence], spans: list[tuple[int, int]], all_rows: bool,
+                     shift: int = 0) -> list[torch.Tensor]:
         """The step's int32 inputs (ids, positions, token_seq, slot_mapping, query_start, state_slots, logits rows,
         block_table), built with numpy in one host buffer and sent in one copy: Python lists cost ~2.5 ms at 8K
         tokens, and a blocking copy per tensor drained the stream before every prefill chunk. The host buffer is
@@ -208,7 +226,10 @@ class Engine:
         query_start[:], table = qs, table.reshape(n_seq, width)
         for s, (seq, (a, b)) in enumerate(zip(seqs, spans)):
             o = slice(qs[s], qs[s + 1])
-            ids[o] = np.fromiter(seq.tokens[a:b], dtype=np.int32, count=b - a)
+            fed = seq.tokens[a + shift:b + shift]
+            if len(fed) < b - a:   # a verify step runs the drafts after the tokens
+                fed = fed + seq.drafts[:b - a - len(fed)]
+            ids[o] = np.fromiter(fed, dtype=np.int32, count=b - a)
             positions[o] = np.arange(a, b, dtype=np.int32)
             token_seq[o] = s
             pages = np.array(seq.pages, dtype=np.int32)
@@ -222,26 +243,37 @@ class Engine:
         return out
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Each sequence's next token from its logits row, counted for the penalties (as the decode graph does)."""
+        ids = self._choose(logits, seqs, [s.n_generated for s in seqs])
+        count_tokens(self._counts, torch.tensor([s.slot for s in seqs], dtype=torch.int32, device=self.device), ids)
+        return ids.tolist()
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], counters: list[int],
+                counts: torch.Tensor | None = None) -> torch.Tensor:
+        """The token of each logits row (device i32), row r drawn for seqs[r] with its sampling params, its sampler's
+        counter counters[r] (the generated index the token will have: the draw of a (seed, counter) pair is fixed)
+        and penalty counts counts[r] (default: its lane's generated tokens); the argmax op when every row is greedy
+        without penalties."""
         ids = torch.empty(logits.shape[0], dtype=torch.int32, device=self.device)
-        f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=self.device)  # noqa: E731
-        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)  # noqa: E731
-        slots = i32([s.slot for s in seqs])
         if all(s.sampling.temperature <= 0 and not s.sampling.presence_penalty and not s.sampling.frequency_penalty
                for s in seqs):
             self.be.run("argmax", logits=logits, ids=ids, domain=self.domain)
-        else:
-            sp = [s.sampling for s in seqs]
-            self.be.run("sample", logits=logits, counts=self._counts.index_select(0, slots),
-                        temperature=f32([p.temperature for p in sp]), top_k=i32([p.top_k for p in sp]),
-                        top_p=f32([p.top_p for p in sp]), min_p=f32([p.min_p for p in sp]),
-                        presence=f32([p.presence_penalty for p in sp]), frequency=f32([p.frequency_penalty for p in sp]),
-                        seed=i32([((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for s in seqs]),  # 32-bit
-                        counter=i32([s.n_generated for s in seqs]), ids=ids, domain=self.domain)
-        count_tokens(self._counts, slots, ids)   # as the decode graph does
-        return ids.tolist()
+            return ids
+        f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=self.device)  # noqa: E731
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=self.device)  # noqa: E731
+        if counts is None:
+            counts = self._counts.index_select(0, i32([s.slot for s in seqs]))
+        sp = [s.sampling for s in seqs]
+        self.be.run("sample", logits=logits, counts=counts,
+                    temperature=f32([p.temperature for p in sp]), top_k=i32([p.top_k for p in sp]),
+                    top_p=f32([p.top_p for p in sp]), min_p=f32([p.min_p for p in sp]),
+                    presence=f32([p.presence_penalty for p in sp]), frequency=f32([p.frequency_penalty for p in sp]),
+                    seed=i32([((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for s in seqs]),  # 32-bit
+                    counter=i32(counters), ids=ids, domain=self.domain)
+        return ids
 
     def _accept(self, seq: Sequence, token: int) -> None:
-        seq.tokens.append(token)   # (its count for the penalties was added on the device when it was picked)
+        seq.tokens.append(token)   # (its count for the penalties is added on the device: _pick, a round's commit)
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
         elif seq.n_generated >= seq.max_new or len(seq.tokens) >= self.cache.max_context:
@@ -280,8 +312,11 @@ class Engine:
         b = min(a + min(max_tokens or self.prefill_chunk, self.prefill_chunk), n)
         if a < seq.snapshot_at < b:   # the chunk ends where the snapshot is to be taken
             b = seq.snapshot_at
+        normed = None
         if a == n:   # the whole prompt is cached, its last token's logits with it (SequenceCache.take_prefix)
             logits = self.cache.checkpoint_logits[seq.slot:seq.slot + 1].clone()   # a fresh, aligned row
+        elif self.spec is not None:   # the MTP layer reads the chunk's final-normed hidden
+            logits, normed = self._step([seq], [(a, b)], normed=True)
         else:
             logits = self._step([seq], [(a, b)])
         seq.prefilled = b
@@ -294,16 +329,21 @@ class Engine:
                 self._accept(seq, self._pick(logits, [seq])[0])
             else:
                 seq.finish_reason = "length"
+        if normed is not None:
+            self.spec.after_prefill(seq, a, b, normed)
         seq.prefill_s += time.perf_counter() - t0
         if b == n:
             seq.ttft_s = seq.prefill_s
         return b == n
 
     def decode(self, seqs: list[Sequence]) -> None:
-        """One decode step for every given sequence (prefilled, unfinished): each gets one more token. Through the
-        decode graphs the next step is already queued when this returns (_decode_graphs)."""
+        """One decode step for every given sequence (prefilled, unfinished): each gets one more token, or with
+        speculative decoding one to K+1 (a round). Through the decode graphs the next step is already queued when this
+        returns (_decode_graphs)."""
         t0 = time.perf_counter()
-        if self.graphs is not None:
+        if self.spec is not None:
+            self.spec.round(seqs)
+        elif self.graphs is not None:
             self._decode_graphs(seqs)
         else:
             picked = self._pick(self._step(seqs, [(len(s.tokens) - 1, len(s.tokens)) for s in seqs]), seqs)

@@ -125,6 +125,7 @@ class Handle:
         self.first_token_at = 0.0
         self.stop = StopStrings(req.stop_strings)
         self.stop_hit: str | None = None
+        self.emitted = 0   # generated tokens turned into events (a speculative round gives several at once)
 
     def cancel(self) -> None:
         """Idempotent; safe from the loop at any time (before, during or after generation)."""
@@ -363,6 +364,7 @@ class Scheduler:
         live = [h for h in self._decoding if not h.cancelled]
         if live:
             t0 = time.perf_counter()
+            before = sum(h.seq.n_generated for h in live)
             try:
                 self.engine.decode([h.seq for h in live])
             except Exception as e:
@@ -371,7 +373,7 @@ class Scheduler:
                     self._fail(h, EngineFailure(f"decode failed: {type(e).__name__}: {e}"), out)
             else:
                 self.stats["decode_steps"] += 1
-                self.stats["predicted_tokens"] += len(live)
+                self.stats["predicted_tokens"] += sum(h.seq.n_generated for h in live) - before
                 self.stats["predicted_seconds"] += time.perf_counter() - t0
                 for h in live:
                     self._after_token(h, out)
@@ -399,22 +401,31 @@ class Scheduler:
                     self._finish(h, out)
 
     def _after_token(self, h: Handle, out) -> None:
+        """The event of the tokens generated since the last one (one, or several after a speculative round); a stop
+        string ends the request at the token that completes it (tokens after it are not reported)."""
         seq = h.seq
         if not h.first_token_at:
             h.first_token_at = time.monotonic()
-        tok = seq.tokens[-1]   # the newest generated token (no copy of them all)
-        text = ""
-        if h.req.detokenizer is not None and not (seq.finish_reason == "stop" and tok in seq.stop_ids):
-            text = h.req.detokenizer.push(tok)
-        if seq.finish_reason is not None and h.req.detokenizer is not None:
-            text += h.req.detokenizer.finish()
-        emit, hit = h.stop.feed(text)
-        if hit:
-            h.stop_hit = h.stop.hit
-            seq.finish_reason = "stop"
-        elif seq.finish_reason is not None:
-            emit += h.stop.finish()
-        out.append((h, Text(emit, 1)))
+        new = seq.tokens[len(seq.prompt) + h.emitted:]   # the newest generated tokens (no copy of them all)
+        emit, start = "", h.emitted
+        for i, tok in enumerate(new):
+            h.emitted += 1
+            last = i == len(new) - 1
+            ended = last and seq.finish_reason is not None
+            text = ""
+            if h.req.detokenizer is not None and not (ended and seq.finish_reason == "stop" and tok in seq.stop_ids):
+                text = h.req.detokenizer.push(tok)
+            if ended and h.req.detokenizer is not None:
+                text += h.req.detokenizer.finish()
+            part, hit = h.stop.feed(text)
+            emit += part
+            if hit:
+                h.stop_hit = h.stop.hit
+                seq.finish_reason = "stop"
+                break
+            if ended:
+                emit += h.stop.finish()
+        out.append((h, Text(emit, h.emitted - start)))
         if seq.finish_reason is not None:
             self._finish(h, out)
 
@@ -422,7 +433,7 @@ class Scheduler:
         seq = h.seq
         now = time.monotonic()
         done = Done(finish_reason=seq.finish_reason or "stop", stop_string=h.stop_hit,
-                    prompt_tokens=len(seq.prompt), completion_tokens=seq.n_generated, cached_tokens=seq.cached,
+                    prompt_tokens=len(seq.prompt), completion_tokens=h.emitted, cached_tokens=seq.cached,
                     queue_s=h.admitted_at - h.submitted, prefill_s=seq.prefill_s, decode_s=seq.decode_s,
                     ttft_s=(h.first_token_at - h.submitted) if h.first_token_at else 0.0,
                     total_s=now - h.submitted)

@@ -26,31 +26,41 @@ SHAPES = {
 TOKEN_DOMAIN = 248077
 
 
-def weight_shapes(cfg: HybridConfig) -> dict[str, tuple]:
+def weight_shapes(cfg: HybridConfig, mtp: bool = False) -> dict[str, tuple]:
+    """name -> shape of every weight (with `mtp`, the MTP layer's too: its fc, norms and one gated-attention decoder
+    layer with the family's feed-forward)."""
     H = cfg.hidden
     shapes = {"embed": (cfg.vocab, H), "norm": (H,)}
     if not cfg.tied_embeddings:
         shapes["lm_head"] = (cfg.vocab, H)
     for i in range(cfg.layers):
-        p = f"layers.{i}."
-        shapes[p + "input_norm"] = shapes[p + "post_norm"] = (H,)
-        if cfg.is_attention(i):
-            D = cfg.head_dim
-            shapes |= {p + "attn.qkv": (2 * cfg.heads * D + 2 * cfg.kv_heads * D, H), p + "attn.q_norm": (D,),
-                       p + "attn.k_norm": (D,), p + "attn.o": (H, cfg.heads * D)}
-        else:
-            C, V = cfg.conv_channels, cfg.v_heads * cfg.v_dim
-            shapes |= {p + "gdn.in_qkv": (C, H), p + "gdn.in_z": (V, H), p + "gdn.in_b": (cfg.v_heads, H),
-                       p + "gdn.in_a": (cfg.v_heads, H), p + "gdn.conv": (C, cfg.conv_width),
-                       p + "gdn.A_log": (cfg.v_heads,), p + "gdn.dt_bias": (cfg.v_heads,), p + "gdn.norm": (cfg.v_dim,),
-                       p + "gdn.out": (H, V)}
-        if cfg.moe_layers[i]:
-            E, I, S = cfg.experts, cfg.expert_intermediate, cfg.shared_intermediate
-            shapes |= {p + "mlp.router": (E, H), p + "mlp.experts.gate_up": (E, 2 * I, H),
-                       p + "mlp.experts.down": (E, H, I), p + "mlp.shared.gate_up": (2 * S, H),
-                       p + "mlp.shared.down": (H, S), p + "mlp.shared.gate": (1, H)}
-        else:
-            shapes |= {p + "mlp.gate_up": (2 * cfg.intermediate, H), p + "mlp.down": (H, cfg.intermediate)}
+        shapes |= _layer_shapes(cfg, f"layers.{i}.", cfg.is_attention(i), cfg.moe_layers[i])
+    if mtp:
+        shapes |= {"mtp.fc": (H, 2 * H), "mtp.norm_embedding": (H,), "mtp.norm_hidden": (H,), "mtp.norm": (H,)}
+        shapes |= _layer_shapes(cfg, "mtp.layers.0.", True, cfg.family != "qwen3_5")
+    return shapes
+
+
+def _layer_shapes(cfg: HybridConfig, p: str, attention: bool, moe: bool) -> dict[str, tuple]:
+    H = cfg.hidden
+    shapes = {p + "input_norm": (H,), p + "post_norm": (H,)}
+    if attention:
+        D = cfg.head_dim
+        shapes |= {p + "attn.qkv": (2 * cfg.heads * D + 2 * cfg.kv_heads * D, H), p + "attn.q_norm": (D,),
+                   p + "attn.k_norm": (D,), p + "attn.o": (H, cfg.heads * D)}
+    else:
+        C, V = cfg.conv_channels, cfg.v_heads * cfg.v_dim
+        shapes |= {p + "gdn.in_qkv": (C, H), p + "gdn.in_z": (V, H), p + "gdn.in_b": (cfg.v_heads, H),
+                   p + "gdn.in_a": (cfg.v_heads, H), p + "gdn.conv": (C, cfg.conv_width),
+                   p + "gdn.A_log": (cfg.v_heads,), p + "gdn.dt_bias": (cfg.v_heads,), p + "gdn.norm": (cfg.v_dim,),
+                   p + "gdn.out": (H, V)}
+    if moe:
+        E, I, S = cfg.experts, cfg.expert_intermediate, cfg.shared_intermediate
+        shapes |= {p + "mlp.router": (E, H), p + "mlp.experts.gate_up": (E, 2 * I, H),
+                   p + "mlp.experts.down": (E, H, I), p + "mlp.shared.gate_up": (2 * S, H),
+                   p + "mlp.shared.down": (H, S), p + "mlp.shared.gate": (1, H)}
+    else:
+        shapes |= {p + "mlp.gate_up": (2 * cfg.intermediate, H), p + "mlp.down": (H, cfg.intermediate)}
     return shapes
 
 
@@ -60,32 +70,35 @@ QUANT_SUFFIXES = ("attn.qkv", "attn.o", "gdn.in_qkv", "gdn.in_z", "gdn.out", "ml
                   "experts.gate_up", "experts.down", "shared.gate_up", "shared.down", "lm_head")
 
 
-def packed_formats(cfg: HybridConfig, fmt: str) -> dict[str, str]:
+def packed_formats(cfg: HybridConfig, fmt: str, mtp: bool = False) -> dict[str, str]:
     """name -> packed format of the quantized weights: every QUANT_SUFFIXES matrix in `fmt` (q4, ...; none for
     bf16), or with fmt "recipe" each weight the family's recipe quantizes in its role's default format (the mix
     a converted checkpoint gets: e.g. 27B q4 / q5 / q6, 35B-A3B q4 / q5 experts and w8 elsewhere), but for the
     embedding table, which stays bf16 here (only the prompt's rows are read)."""
     if fmt == "bf16":
         return {}
-    shapes = weight_shapes(cfg)
+    shapes = weight_shapes(cfg, mtp)
     if fmt != "recipe":
         return {name: fmt for name in shapes if name.endswith(QUANT_SUFFIXES)}
     from .recipes import load_recipe
     from .reference_quant import PACKED
     conf = hf_config(cfg)
     rec = load_recipe(cfg.family)
-    return {p.name: p.default_format for p in rec.expand(conf, rec.present_sections(rec.namespace(conf)))
+    present = {**rec.present_sections(rec.namespace(conf)), "mtp": mtp}   # (mtp: a checkpoint's mtp.* sections)
+    return {p.name: p.default_format for p in rec.expand(conf, present)
             if p.kind == "quant" and p.default_format in PACKED and p.name in shapes and p.name != "embed"}
 
 
-def random_weights(cfg: HybridConfig, device, dtype=torch.bfloat16, seed: int = 0, fmt: str = "bf16") -> dict:
-    """Random weights at the model's shapes; with a packed `fmt` (q4, ..., or "recipe": packed_formats) the
-    quantized matrices are random packed bytes of their format (runtime.weights.PackedWeight)."""
+def random_weights(cfg: HybridConfig, device, dtype=torch.bfloat16, seed: int = 0, fmt: str = "bf16",
+                   mtp: bool = False) -> dict:
+    """Random weights at the model's shapes (with `mtp`, the MTP layer's too); with a packed `fmt` (q4, ..., or
+    "recipe": packed_formats) the quantized matrices are random packed bytes of their format
+    (runtime.weights.PackedWeight)."""
     from .weights import random_packed
     g = torch.Generator(device=device).manual_seed(seed)
-    packed = packed_formats(cfg, fmt)
+    packed = packed_formats(cfg, fmt, mtp)
     out = {}
-    for name, shape in weight_shapes(cfg).items():
+    for name, shape in weight_shapes(cfg, mtp).items():
         if name in packed:
             out[name] = random_packed(packed[name], shape, device, g, 1.0 / shape[-1] ** 0.5)
             continue

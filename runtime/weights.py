@@ -78,14 +78,15 @@ def split_rows(w, n: int):
     return (w[:n], w[n:]) if ok else None
 
 
-def load_weights(art, device, dtype: torch.dtype, packed: bool = True) -> dict:
-    """Every text-model tensor on `device`, copied in chunks from the mapping: direct formats cast to the
-    run dtype, packed linear weights kept packed (with `packed`), other packed tensors (the embedding
-    table, formats no kernel reads packed, everything without `packed`) decoded exactly and cast. A tied
-    lm_head reads the packed table too."""
+def load_weights(art, device, dtype: torch.dtype, packed: bool = True, mtp: bool = False) -> dict:
+    """Every text-model tensor on `device` (and the MTP layer's, with `mtp`), copied in chunks from the mapping:
+    direct formats cast to the run dtype, packed linear weights kept packed (with `packed`), other packed tensors
+    (the embedding table, formats no kernel reads packed, everything without `packed`) decoded exactly and cast. A
+    tied lm_head reads the packed table too."""
     out = {}
+    skip = {"visual"} | (set() if mtp else {"mtp"})
     for name, entry in art.tensors.items():
-        if set(entry.flags) & {"mtp", "visual"}:
+        if set(entry.flags) & skip:
             continue
         want = torch.float32 if entry.role in KEEP_FP32 else dtype
         if entry.format in ("bf16", "fp32"):

@@ -57,6 +57,18 @@ class _SchedulerCollector:
                 value=snap["cache_ram_lanes"])
         yield g("ninfer_cache_ram_bytes", "Host memory those lanes take.", value=snap["cache_ram_bytes"])
         yield g("ninfer_pending_requests", "Requests waiting for a lane.", value=self.s.pending)
+        spec = getattr(self.s.engine, "spec", None)
+        if spec is not None:   # speculative decoding, as vLLM's spec_decode_* counters
+            yield c("ninfer_spec_decode_num_drafts", "Speculative rounds that verified drafts.",
+                    value=spec.stats["num_drafts"])
+            yield c("ninfer_spec_decode_num_draft_tokens", "Draft tokens verified.", value=spec.stats["num_draft_tokens"])
+            yield c("ninfer_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                    value=spec.stats["num_accepted_tokens"])
+            per_pos = c("ninfer_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
+                        labels=["position"])
+            for i, n in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([str(i)], n)
+            yield per_pos
         info = g("ninfer_cache_config_info", "The KV cache's configuration (as vLLM's cache_config_info): value 1.",
                  labels=["kv_cache_dtype", "page_size", "num_pages"])
         info.add_metric([self.s.engine.kv_cache_dtype, str(self.s.page_size), str(snap["kv_pages_total"])], 1)

@@ -26,6 +26,9 @@ class Step:
     block_table: torch.Tensor    # [S, MB] i32 KV pages of each sequence
     state_slots: torch.Tensor    # [S] i32 GDN state slot of each sequence
     decode: bool = False         # every sequence has exactly one token (T == S): fused decode ops apply
+    # a speculative verify step: each GDN layer appends (itself, its conv input, g, beta) so that the engine can
+    # re-run the recurrences of lanes whose drafts were rejected (GatedDeltaNet.replay)
+    keep: list | None = None
 
 
 def new(like: torch.Tensor, *shape, dtype=None) -> torch.Tensor:
@@ -230,8 +233,7 @@ class GatedAttention:
     """Qwen3.5 gated full attention: fused q|gate,k,v projection, q/k zero-centred norm, partial RoPE,
     causal GQA over the paged KV cache, output × sigmoid(gate), o_proj."""
 
-    def __init__(self, cfg: HybridConfig, w: dict, layer: int, kv_cache: tuple):
-        p = f"layers.{layer}.attn."
+    def __init__(self, cfg: HybridConfig, w: dict, p: str, kv_cache: tuple):
         self.cfg, self.qkv, self.q_norm, self.k_norm, self.o = cfg, w[p + "qkv"], w[p + "q_norm"], w[p + "k_norm"], w[p + "o"]
         self.k_cache, self.v_cache = kv_cache
         self.fp8 = self.k_cache.dtype == torch.uint8   # E4M3 codes (--kv-cache-dtype fp8): the _fp8 ops
@@ -316,12 +318,27 @@ class GatedDeltaNet:
                conv_state=self.conv_state, y=qkv)
         g, beta = new(x, T, c.v_heads, dtype=torch.float32), new(x, T, c.v_heads, dtype=torch.float32)
         be.run("gdn_gates", ba=ba, A_log=self.A_log, dt_bias=self.dt_bias, g=g, beta=beta)
-        o = new(x, T, c.v_heads, c.v_dim)
-        be.run("gdn_delta_rule", qkv=qkv, g=g, beta=beta, query_start=step.query_start, slots=step.state_slots,
-               state=self.state, o=o, num_k_heads=c.k_heads, scale=c.k_dim ** -0.5)
+        if step.keep is not None:
+            step.keep.append((self, mixed, g, beta))
+        o = self._delta_rule(be, qkv, g, beta, step.query_start, step.state_slots)
         y = torch.empty_like(o)
         be.run("gdn_gated_norm", o=o, z=z.view(T, c.v_heads, c.v_dim), w=self.norm, y=y, eps=c.eps)
         return linear(be, y.view(T, -1), self.out)
+
+    def _delta_rule(self, be, qkv, g, beta, query_start, slots):
+        c = self.cfg
+        o = new(qkv, qkv.shape[0], c.v_heads, c.v_dim)
+        be.run("gdn_delta_rule", qkv=qkv, g=g, beta=beta, query_start=query_start, slots=slots, state=self.state, o=o,
+               num_k_heads=c.k_heads, scale=c.k_dim ** -0.5)
+        return o
+
+    def replay(self, be, mixed, g, beta, query_start, slots) -> None:
+        """Advance the states of lanes `slots` over tokens a verify step kept (Step.keep: the conv input and gates of
+        each), from the states saved before it: conv and delta rule again, outputs dropped."""
+        qkv = torch.empty_like(mixed)
+        be.run("gdn_conv", x=mixed, w=self.conv, query_start=query_start, slots=slots, conv_state=self.conv_state,
+               y=qkv)
+        self._delta_rule(be, qkv, g, beta, query_start, slots)
 
     def decode(self, be, x, step: Step):
         """One token per sequence: b/a, conv, gates, delta rule and gated norm are one gdn_decode launch."""
@@ -372,8 +389,7 @@ class SparseMoE:
     """Softmax router over all experts, top-k (renormalised), routed SwiGLU experts, plus the shared
     expert scaled by sigmoid(shared_gate · x)."""
 
-    def __init__(self, cfg: HybridConfig, w: dict, layer: int):
-        p = f"layers.{layer}.mlp."
+    def __init__(self, cfg: HybridConfig, w: dict, p: str):
         self.cfg = cfg
         self.router, self.gate_up, self.down = w[p + "router"], w[p + "experts.gate_up"], w[p + "experts.down"]
         self.shared = DenseMLP(w, p + "shared.")

@@ -6,5 +6,5 @@ from .hybrid import HybridForCausalLM
 class Qwen3_5ForCausalLM(HybridForCausalLM):
     family = "qwen3_5"
 
-    def make_mlp(self, cfg, weights, layer):
-        return DenseMLP(weights, f"layers.{layer}.mlp.")
+    def make_mlp(self, cfg, weights, prefix, layer):
+        return DenseMLP(weights, prefix)

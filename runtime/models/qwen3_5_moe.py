@@ -7,5 +7,5 @@ from .hybrid import HybridForCausalLM
 class Qwen3_5MoeForCausalLM(HybridForCausalLM):
     family = "qwen3_5_moe"
 
-    def make_mlp(self, cfg, weights, layer):
-        return SparseMoE(cfg, weights, layer)
+    def make_mlp(self, cfg, weights, prefix, layer):
+        return SparseMoE(cfg, weights, prefix)

@@ -8,5 +8,6 @@ from .hybrid import HybridForCausalLM
 class Qwen3NextForCausalLM(HybridForCausalLM):
     family = "qwen3_next"
 
-    def make_mlp(self, cfg, weights, layer):
-        return SparseMoE(cfg, weights, layer) if cfg.moe_layers[layer] else DenseMLP(weights, f"layers.{layer}.mlp.")
+    def make_mlp(self, cfg, weights, prefix, layer):
+        # the MTP layer (layer None) is a MoE layer, as in Qwen3-Next's checkpoints
+        return SparseMoE(cfg, weights, prefix) if layer is None or cfg.moe_layers[layer] else DenseMLP(weights, prefix)

@@ -1,0 +1,133 @@
+"""`ninfer-bench spec`: MTP speculative decoding at a real shape with synthetic weights, against plain decoding in
+the same run.
+
+Random weights make a random MTP layer: its drafts are rejected, so a round then commits one token (the worst case,
+the verify step's and the MTP layer's cost on top of a decode step). To measure rounds whose drafts are accepted,
+the same prompts run again with the drafts taken from the tokens the first pass produced (the known continuation):
+a round then commits up to K + 1 tokens (the best case). Real weights land in between (NInfer reports 72-89 %
+acceptance with three drafts). Each figure: the median of per-call times (a call ends on its tokens' copy to the
+host), tokens committed per call, and the fraction of the bandwidth roofline of one plain decode step's bytes per
+round.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import click
+
+
+def _spec_rows(eng, prompts, rounds: int, known: dict | None, sync) -> dict:
+    """Open, prefill and run `rounds` timed decode calls for these prompts (greedy); drafts from `known` (prompt ->
+    its continuation) where given. Returns per-call medians and every sequence's tokens."""
+    from ninfer.runtime.speculative import MtpSpeculator
+    real = MtpSpeculator._draft
+
+    def draft(self, seqs, last):
+        real(self, seqs, last)
+        for s in seqs:
+            full = known[tuple(s.prompt)]
+            s.drafts = full[len(s.tokens):len(s.tokens) + len(s.drafts)]
+    if known is not None:
+        MtpSpeculator._draft = draft
+    before = dict(eng.spec.stats) if eng.spec is not None else None
+    seqs = [eng.open(p, max_new=1 << 30) for p in prompts]
+    try:
+        for s in seqs:
+            while not eng.prefill(s):
+                pass
+        eng.decode(seqs)   # warm-up (plans, graphs)
+        sync()
+        times, tokens = [], []
+        for _ in range(rounds):
+            n0 = sum(s.n_generated for s in seqs)
+            t0 = time.perf_counter()
+            eng.decode(seqs)
+            times.append(time.perf_counter() - t0)
+            tokens.append(sum(s.n_generated for s in seqs) - n0)
+        sync()
+        out = {"call_s": statistics.median(times), "tokens_per_call": sum(tokens) / len(tokens),
+               "tok_s": sum(tokens) / sum(times), "tokens": {tuple(s.prompt): list(s.tokens) for s in seqs},
+               "context": len(seqs[0].tokens)}
+        if before is not None:
+            st = {k: eng.spec.stats[k] - before[k] for k in before}
+            out["acceptance"] = st["num_accepted_tokens"] / max(st["num_draft_tokens"], 1)
+        return out
+    finally:
+        MtpSpeculator._draft = real
+        for s in seqs:
+            eng.release(s)
+
+
+def bench_spec(cfg, eng, concurrency: list[int], decode_prompt: int, rounds: int, k: int, fmt: str,
+               copy_gbs: float | None, sync=lambda: None, echo=click.echo) -> list[dict]:
+    """For each concurrency: plain decode (the engine's own path: CUDA graphs on the GPU), MTP rounds with the MTP
+    layer's drafts, MTP rounds with the known continuation's drafts."""
+    import torch
+
+    from ninfer.cli.bench import decode_step_bytes, model_figures
+    rng = torch.Generator().manual_seed(0)
+    fig = model_figures(cfg, decode_prompt, fmt)
+    rows = []
+    for c in concurrency:
+        prompts = [torch.randint(0, eng.domain, (decode_prompt,), generator=rng).tolist() for _ in range(c)]
+        spec, eng.spec = eng.spec, None
+        try:
+            plain = _spec_rows(eng, prompts, rounds, None, sync)
+        finally:
+            eng.spec = spec
+        own = _spec_rows(eng, prompts, rounds * (k + 1) + 2, None, sync)   # also the continuation for the next pass
+        injected = _spec_rows(eng, prompts, rounds, own["tokens"], sync)
+        nbytes = decode_step_bytes(cfg, fig, c, decode_prompt)
+        for name, r in (("plain", plain), ("mtp drafts", own), ("known drafts", injected)):
+            frac = nbytes / r["call_s"] / (copy_gbs * 1e9) if copy_gbs else None
+            row = {"concurrency": c, "mode": name, "num_speculative_tokens": 0 if name == "plain" else k,
+                   "tok_s": r["tok_s"], "call_ms": r["call_s"] * 1e3, "tokens_per_call": r["tokens_per_call"],
+                   "acceptance": r.get("acceptance"), "bw_frac_per_call": frac, "context": r["context"]}
+            rows.append(row)
+            acc = "" if row["acceptance"] is None else f", {100 * row['acceptance']:5.1f} % of drafts accepted"
+            roof = "" if frac is None else f", {100 * frac:5.1f} % of the bandwidth roofline of a decode step per call"
+            echo(f"C={c} {name:>12}: {row['tok_s']:>8,.1f} tok/s ({row['call_ms']:6.2f} ms a call median, "
+                 f"{row['tokens_per_call']:.2f} tokens a call{acc}{roof})")
+        echo(f"C={c}: MTP with K={k} against plain: {own['tok_s'] / plain['tok_s']:.2f}x with the MTP layer's "
+             f"(random) drafts, {injected['tok_s'] / plain['tok_s']:.2f}x with drafts that hold")
+    return rows
+
+
+@click.command("spec")
+@click.option("--shape", type=click.Choice(["qwen3.6-27b", "qwen3.6-35b-a3b"]), default="qwen3.6-27b", show_default=True)
+@click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8", "recipe"]), default="q4",
+              show_default=True, help="format of the quantizable matrices, the MTP layer's too (random packed bytes)")
+@click.option("--num-speculative-tokens", "k", type=click.IntRange(1, 8), default=3, show_default=True)
+@click.option("--concurrency", default="1,8", show_default=True)
+@click.option("--decode-prompt", default=8192, show_default=True, help="context before the decode measurement")
+@click.option("--rounds", type=click.IntRange(1), default=16, show_default=True, help="timed decode calls per mode")
+@click.option("--json", "json_out", type=click.Path())
+def spec_cmd(shape, fmt, k, concurrency, decode_prompt, rounds, json_out) -> None:
+    """MTP speculative decoding against plain decoding (synthetic weights: drafts rejected, then injected)."""
+    import json
+
+    from ninfer.runtime.cuda import gpu_available
+    if not gpu_available():
+        click.echo("ninfer-bench spec: needs a CUDA GPU (none found)", err=True)
+        sys.exit(2)
+    import torch
+
+    from ninfer.cli.bench import measure_ceilings
+    from ninfer.runtime.engine import Engine
+    from ninfer.runtime.speculative import SpeculativeConfig
+    from ninfer.runtime.synthetic import SHAPES, TOKEN_DOMAIN, random_weights
+    cfg, levels = SHAPES[shape], [int(x) for x in concurrency.split(",")]
+    copy_gbs, _ = measure_ceilings(torch)
+    weights = random_weights(cfg, "cuda", fmt=fmt, mtp=True)
+    ctx = decode_prompt + (rounds * (k + 1) + 4) * (k + 1) + 16
+    eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
+                              max_seqs=max(levels), speculative=SpeculativeConfig("mtp", k))
+    click.echo(f"# {shape} ({fmt} synthetic weights, MTP layer included) on {eng.be.device.name}; copy "
+               f"{copy_gbs:,.0f} GB/s; context {decode_prompt}; MTP rounds op by op (not in CUDA graphs)")
+    rows = bench_spec(cfg, eng, levels, decode_prompt, rounds, k, fmt, copy_gbs, torch.cuda.synchronize)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"shape": shape, "device": eng.be.device.name, "weights": fmt, "copy_GBps": copy_gbs,
+                       "rows": rows}, f, indent=1)

@@ -1,0 +1,209 @@
+"""Speculative decoding with the checkpoint's own MTP layer (vLLM's `--speculative-config '{"method": "mtp",
+"num_speculative_tokens": K}'`, NInfer's `--spec mtp --draft-tokens K`).
+
+A round, for every lane: the target runs the lane's last token and its K drafts in one verify step (K + 1 tokens a
+lane) and picks its own token at every row, as plain decoding would there (argmax, or the sample op with the counter
+the token's position has in plain decoding and the penalty counts of the drafts before it); the drafts equal to those
+picks are accepted and the pick after them comes free, so a round commits 1..K+1 tokens, exactly the tokens plain
+decoding produces (with a seed, the same draws). For a draft that is one token (the MTP layer's argmax), keeping it
+when the target's draw equals it is rejection sampling as in Leviathan et al.: kept with probability p(d), and
+otherwise a draw from p without d.
+The verify step writes KV at every position it ran (positions past the accepted ones are rewritten before any step
+reads them) and advances each lane's GDN state over all K + 1 tokens: lanes that kept fewer get the state saved
+before the step back and re-run the conv and delta rule over the tokens they kept (GatedDeltaNet.replay). Then the
+MTP layer reads (the target's final-normed hidden h_t, token t+1) for each kept token, which extends its own KV, and
+its last row drafts the next round's first token; K - 1 further MTP steps each pair the previous MTP output with the
+draft it chose. Prefill runs the MTP layer over every prompt chunk too (its KV at every prompt position).
+
+Not captured in CUDA graphs yet: a round is launched op by op.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .decode_graph import count_tokens
+
+METHODS = ("mtp",)
+MAX_SPECULATIVE_TOKENS = 8   # verify steps of up to 8 x 9 tokens stay within the decode-sized routes' reach
+
+
+class SpeculativeConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "mtp"
+    num_speculative_tokens: int = 3
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise SpeculativeConfigError(f"speculative method {self.method!r} is not supported (supported: "
+                                         f"{', '.join(METHODS)})")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise SpeculativeConfigError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
+                                         f"got {k!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "SpeculativeConfig":
+        """From vLLM's JSON form: {"method": "mtp", "num_speculative_tokens": 3}."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpeculativeConfigError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise SpeculativeConfigError('--speculative-config must be a JSON object such as '
+                                         '{"method": "mtp", "num_speculative_tokens": 3}')
+        unknown = sorted(set(d) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise SpeculativeConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: method, "
+                                         f"num_speculative_tokens)")
+        return cls(d.get("method", "mtp"), d.get("num_speculative_tokens", 3))
+
+
+class MtpSpeculator:
+    """The engine's speculative rounds (see the module docstring); counters as vLLM reports them."""
+
+    def __init__(self, engine, config: SpeculativeConfig):
+        self.engine, self.k = engine, config.num_speculative_tokens
+        self.config = config
+        self.stats = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
+        self.accepted_per_pos = [0] * self.k
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def after_prefill(self, seq, a: int, b: int, normed: torch.Tensor) -> None:
+        """MTP over the pairs (h_t, token t+1) of prompt chunk [a, b) (normed: the chunk's final-normed hidden),
+        once token b is known (the prompt's next token, or the first generated one); then, after the last chunk,
+        the drafts of the first round."""
+        seq.drafts = []
+        if len(seq.tokens) <= b or seq.finish_reason is not None and b == len(seq.prompt):
+            return   # nothing sampled (max_new 0), or finished at once: no round follows
+        out = self._mtp([seq], [(a, b)], normed)
+        if b == len(seq.prompt):
+            self._draft([seq], out[-1:])
+
+    # -- a round -----------------------------------------------------------------------------------
+    def round(self, seqs) -> None:
+        """Verify each sequence's drafts, commit what holds (1..K+1 tokens each), roll back the GDN state of lanes
+        that kept fewer tokens than they ran, and draft the next round."""
+        e = self.engine
+        for seq in seqs:   # drafts the lane may still use: within max_new, the context and the free pages
+            seq.drafts = seq.drafts[:self._budget(seq)]
+        spans = [(len(s.tokens) - 1, len(s.tokens) + len(s.drafts)) for s in seqs]
+        ids, step, rows = e._inputs(seqs, spans, all_rows=True)
+        speculative = any(s.drafts for s in seqs)
+        if speculative:
+            e.cache.save_states(step.state_slots)
+            step.keep = []
+        logits, normed = e.model.forward(e.be, ids, step, rows, normed=True)
+        target = self._picks(logits, seqs, spans).tolist()
+        kept, o, committed = [], 0, []
+        for seq, (a, b) in zip(seqs, spans):
+            drafts, t = seq.drafts, target[o:o + b - a]
+            n = 0
+            while n < len(drafts) and drafts[n] == t[n]:
+                n += 1
+            if drafts:
+                self.stats["num_drafts"] += 1
+                self.stats["num_draft_tokens"] += len(drafts)
+                self.stats["num_accepted_tokens"] += n
+                for i in range(n):
+                    self.accepted_per_pos[i] += 1
+            m = 0
+            for tok in drafts[:n] + [t[n]]:
+                e._accept(seq, tok)
+                committed.append((seq.slot, tok))
+                m += 1
+                if seq.finish_reason is not None:
+                    break
+            kept.append(m)
+            seq.drafts = []
+            o += b - a
+        slots, toks = zip(*committed)   # the penalties' counts, as plain decoding adds them
+        count_tokens(e._counts, torch.tensor(slots, dtype=torch.int32, device=e.device),
+                     torch.tensor(toks, dtype=torch.int32, device=e.device))
+        if speculative:
+            self._roll_back(seqs, spans, kept, step)
+        live = [(i, s) for i, s in enumerate(seqs) if s.finish_reason is None and self._budget(s) > 0]
+        if live:
+            qs = np.cumsum([0] + [b - a for a, b in spans])
+            idx = torch.tensor(np.concatenate([np.arange(qs[i], qs[i] + kept[i]) for i, _ in live]),
+                               device=e.device)
+            lanes = [s for _, s in live]
+            # the pairs (h_t, token t+1) of every token the target kept, at the positions it ran them
+            out = self._mtp(lanes, [(spans[i][0], spans[i][0] + kept[i]) for i, _ in live], normed.index_select(0, idx))
+            ends = torch.tensor(np.cumsum([kept[i] for i, _ in live]) - 1, device=e.device)
+            self._draft(lanes, out.index_select(0, ends))
+
+    def _picks(self, logits, seqs, spans) -> torch.Tensor:
+        """The target's token at every verify row: row i of a lane is drawn as plain decoding draws the lane's
+        generated token n_generated + i (its counter; its penalty counts with the drafts before it)."""
+        e = self.engine
+        rows = [(s, i) for s, (a, b) in zip(seqs, spans) for i in range(b - a)]
+        counts = None
+        if any(s.sampling.presence_penalty or s.sampling.frequency_penalty for s in seqs):
+            slots = torch.tensor([s.slot for s, _ in rows], dtype=torch.int32, device=e.device)
+            counts = e._counts.index_select(0, slots)
+            at = [(r, d) for r, (s, i) in enumerate(rows) for d in s.drafts[:i]]
+            if at:
+                r, d = zip(*at)
+                counts.index_put_((torch.tensor(r, device=e.device), torch.tensor(d, device=e.device)),
+                                  torch.ones(len(at), dtype=counts.dtype, device=e.device), accumulate=True)
+        return e._choose(logits, [s for s, _ in rows], [s.n_generated + i for s, i in rows], counts)
+
+    def _roll_back(self, seqs, spans, kept, step) -> None:
+        """Lanes that kept fewer tokens than the verify step ran: their saved GDN states back, then the kept
+        tokens' conv and delta rule again (from the inputs the step recorded)."""
+        short = [i for i, ((a, b), m) in enumerate(zip(spans, kept)) if m < b - a]
+        if not short:
+            return
+        e = self.engine
+        qs = np.cumsum([0] + [b - a for a, b in spans])
+        slots = torch.tensor([seqs[i].slot for i in short], dtype=torch.int32, device=e.device)
+        e.cache.restore_states(slots)
+        idx = torch.tensor(np.concatenate([np.arange(qs[i], qs[i] + kept[i]) for i in short]), device=e.device)
+        query_start = torch.tensor(np.cumsum([0] + [kept[i] for i in short]), dtype=torch.int32, device=e.device)
+        for mixer, mixed, g, beta in step.keep:
+            mixer.replay(e.be, mixed.index_select(0, idx), g.index_select(0, idx), beta.index_select(0, idx),
+                         query_start, slots)
+
+    # -- the MTP layer ---------------------------------------------------------------------------------
+    def _mtp(self, seqs, spans, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over the pairs (hidden row, token t+1) at positions [a, b) of each sequence."""
+        e = self.engine
+        ids, step, _ = e._inputs(seqs, spans, shift=1)
+        return e.model.mtp(e.be, ids, hidden, step)
+
+    def _draft(self, seqs, last: torch.Tensor) -> None:
+        """Each sequence's drafts for its next round, from the MTP output of its last kept pair (rows of `last`):
+        one argmax over the shared lm_head, then one MTP step per further draft."""
+        e = self.engine
+        budget = [self._budget(s) for s in seqs]
+        for j in range(max(budget)):
+            ids = torch.empty(last.shape[0], dtype=torch.int32, device=e.device)
+            e.be.run("argmax", logits=e.model.logits(e.be, last), ids=ids, domain=e.domain)
+            for s, tok in zip(seqs, ids.tolist()):
+                s.drafts.append(tok)
+            go = [i for i, k in enumerate(budget) if k > j + 1]
+            if not go:
+                break
+            seqs, budget = [seqs[i] for i in go], [budget[i] for i in go]
+            last = last.index_select(0, torch.tensor(go, device=e.device)) if len(go) < last.shape[0] else last
+            # pair (the previous output, draft j) at the position after the last one (the draft's own position - 1)
+            n = [len(s.tokens) + j for s in seqs]
+            last = self._mtp(seqs, [(p - 1, p) for p in n], last)
+
+    def _budget(self, seq) -> int:
+        """Drafts a sequence's next round may verify: a round commits up to that many + 1 tokens, within max_new and
+        the context, and its pages (positions up to len(tokens) - 1 + drafts) must be free to have."""
+        cache = self.engine.cache
+        k = min(self.k, seq.max_new - seq.n_generated - 1, cache.max_context - len(seq.tokens) - 1)
+        ps, have = cache.page_size, len(seq.pages)
+        while k > 0 and -(-(len(seq.tokens) + k) // ps) - have > cache.available_pages:
+            k -= 1
+        return max(k, 0)

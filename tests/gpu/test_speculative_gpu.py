@@ -1,0 +1,133 @@
+"""Speculative decoding (MTP) on the generated kernels, bf16, against plain decoding on the same kernels.
+
+A verify step runs K + 1 tokens a lane through the prefill-shaped routes (GDN conv + delta rule, multi-token GEMV
+spans) where plain decoding runs gdn_decode and T = lanes; neither is bitwise equal to the other, so greedy outputs
+agree token for token up to the first near-tie (the batch rule of test_engine_gpu: a parting is allowed only where the
+plain run's top-1 margin, scored, is within twice model_bf16's atol). Drafts come from the MTP layer (random: mostly
+rejected) and from the plain run's own tokens (accepted: the rollback of the rejected tail and the commit of whole
+rounds); the MTP layer's output agrees with the reference backend's within model_bf16."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer.runtime.tolerance import compare
+
+pytestmark = pytest.mark.gpu
+ORACLE = Path(os.environ.get("NINFER_ORACLE_DIR", Path(__file__).resolve().parents[2] / ".carry" / "oracle"))
+KINDS = ["dense", "moe"]   # the tiny checkpoints that carry an MTP layer
+
+
+def artifact(kind):
+    path = ORACLE / f"{kind}.ninfer"
+    if not path.is_file():
+        pytest.skip(f"no artifact at {path} (python tests/gpu/make_oracle.py {ORACLE})")
+    return path
+
+
+def prompts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (7, 19, 33, 4)]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from ninfer.runtime.engine import Engine
+    from ninfer.runtime.speculative import SpeculativeConfig
+    made = {}
+
+    def get(kind, k=None, backend="cuda"):
+        key = (kind, k, backend)
+        if key not in made:
+            made[key] = Engine(artifact(kind), backend=backend, max_context=160, max_seqs=4, prefill_chunk=16,
+                               speculative=SpeculativeConfig("mtp", k) if k else None)
+        return made[key]
+    return get
+
+
+def agree_up_to_near_ties(plain_eng, ps, got, want):
+    atol = plain_eng.be.manifest.tolerances["model_bf16"]["atol"]
+    for i, (p, g, w) in enumerate(zip(ps, got, want)):
+        d = next((j for j, (x, y) in enumerate(zip(g, w)) if x != y), None)
+        if d is None:
+            assert len(g) == len(w)
+            continue
+        top2 = plain_eng.score(p + w[:d])[-1].float().topk(2).values
+        margin = (top2[0] - top2[1]).item()
+        assert margin <= 2 * atol, f"prompt {i}: speculative parts from plain at token {d}, margin {margin:.3f}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_agrees_with_plain_decoding(engines, kind, k):
+    plain, spec = engines(kind), engines(kind, k)
+    ps = prompts()
+    want = [s.generated for s in plain.generate(ps, max_new=40)]
+    got = [s.generated for s in spec.generate(ps, max_new=40)]
+    agree_up_to_near_ties(plain, ps, got, want)
+    assert spec.spec.stats["num_draft_tokens"] > 0 and spec.cache.in_use == (0, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("wrong_at", [None, 1])
+def test_injected_drafts_accept_and_roll_back(engines, kind, wrong_at, monkeypatch):
+    from ninfer.runtime.speculative import MtpSpeculator
+    plain, spec = engines(kind), engines(kind, 3)
+    ps = prompts(seed=1)
+    want = [s.generated for s in plain.generate(ps, max_new=40)]
+    full = {tuple(p): p + w for p, w in zip(ps, want)}
+    real = MtpSpeculator._draft
+
+    def draft(self, seqs, last):
+        real(self, seqs, last)
+        for s in seqs:
+            f = full[tuple(s.prompt)]
+            s.drafts = f[len(s.tokens):len(s.tokens) + len(s.drafts)]
+            if wrong_at is not None and wrong_at < len(s.drafts):
+                s.drafts[wrong_at] = (s.drafts[wrong_at] + 1) % 1024
+    monkeypatch.setattr(MtpSpeculator, "_draft", draft)
+    before = dict(spec.spec.stats)
+    got = [s.generated for s in spec.generate(ps, max_new=40)]
+    agree_up_to_near_ties(plain, ps, got, want)
+    accepted = spec.spec.stats["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert accepted > (40 if wrong_at is None else 10)
+    assert spec.cache.in_use == (0, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mtp_layer_agrees_with_the_reference_backend(engines, kind):
+    """The MTP layer's outputs over one prompt's pairs, cuda against the reference backend (fp32 on the CPU,
+    weights from the same artifact), within model_bf16."""
+    outs = {}
+    for backend in ("cuda", "reference"):
+        eng = engines(kind, 3, backend)
+        got, real = [], eng.spec._mtp
+        eng.spec._mtp = lambda *a: got.append(real(*a)) or got[-1]
+        try:
+            seq = eng.open(prompts(seed=2)[2], max_new=8)
+            eng.prefill(seq)
+            eng.release(seq)
+        finally:
+            del eng.spec._mtp
+        outs[backend] = got[0].float().cpu()
+    preset = engines(kind).be.manifest.tolerances["model_bf16"]
+    verdict = compare(outs["cuda"], outs["reference"], preset)
+    assert verdict.ok, verdict
+
+
+def test_mixed_batch_of_greedy_and_sampling_lanes(engines):
+    """Seeded sampling lanes go through the rounds beside greedy ones (each verify row drawn with its position's
+    counter): every lane gets its tokens, the greedy ones plain decoding's up to near-ties (the sampled ones may part
+    where bf16 logits move a draw across a boundary)."""
+    from ninfer.runtime.engine import SamplingParams
+    plain, spec = engines("dense"), engines("dense", 3)
+    ps = prompts(seed=3)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(),
+              SamplingParams(temperature=0.7, top_k=5, seed=4)]
+    want = plain.generate(ps, max_new=24, sampling=params)
+    got = spec.generate(ps, max_new=24, sampling=params)
+    greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
+    agree_up_to_near_ties(plain, [ps[i] for i in greedy], [got[i].generated for i in greedy],
+                          [want[i].generated for i in greedy])
+    assert all(len(s.generated) == 24 for s in got) and spec.cache.in_use == (0, 0)

@@ -1,0 +1,280 @@
+"""Speculative decoding with the MTP layer (runtime/speculative.py), reference backend, tiny checkpoints.
+
+The MTP layer against transformers 5.24's generic MtpModel (the checkpoint's mtp.* mapped onto it); greedy output
+through speculative rounds identical to plain greedy decoding, with the MTP layer's own drafts (random weights: they
+are rejected) and with drafts injected from the known continuation (accepted whole, or up to a wrong one: the GDN
+rollback path); sampling and penalties (the same draws as plain decoding); finishing inside a round, prefix caching
+after it; bad configurations refused."""
+import re
+
+import pytest
+import torch
+
+from ninfer.runtime.convert import convert, plan_conversion
+from ninfer.runtime.engine import Engine, EngineError, SamplingParams
+from ninfer.runtime.manifest import Manifest
+from ninfer.runtime.speculative import MtpSpeculator, SpeculativeConfig, SpeculativeConfigError
+from ninfer.runtime.tolerance import compare
+from tests.fixtures.tiny_checkpoints import build
+
+PRESET = Manifest.load().tolerances["model_fp32"]
+MTP = SpeculativeConfig("mtp", 3)
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory):
+    """kind -> (checkpoint dir, fp32 artifact), built lazily."""
+    root, cache = tmp_path_factory.mktemp("spec"), {}
+
+    def get(kind):
+        if kind not in cache:
+            d = build(kind, root / "ckpt")
+            convert(plan_conversion(d, fmt="fp32"), root / f"{kind}.ninfer")
+            cache[kind] = d, root / f"{kind}.ninfer"
+        return cache[kind]
+    return get
+
+
+@pytest.fixture(scope="module")
+def ckpt(kinds):
+    return kinds("dense")
+
+
+def prompts(*lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1024, (n,), generator=g).tolist() for n in lengths]
+
+
+def engine(art, spec=MTP, **kw):
+    kw = {"backend": "reference", "max_context": 128, "max_seqs": 4, "prefill_chunk": 7, **kw}
+    return Engine(art, speculative=spec, **kw)
+
+
+def plain(art, ps, max_new, **kw):
+    eng = engine(art, None)
+    return [s.generated for s in eng.generate(ps, max_new=max_new, **kw)]
+
+
+@pytest.mark.parametrize("kind,cls", [("dense", "Qwen3_5ForCausalLM"), ("moe", "Qwen3_5MoeForCausalLM"),
+                                      ("moe_fused", "Qwen3_5MoeForCausalLM")])
+def test_mtp_layer_matches_transformers(kinds, kind, cls):
+    """Our MTP layer over a prompt's pairs (h_t, token t+1) = MtpModel.forward_layer (positions t for both), and its
+    last row's argmax is the first draft; the next draft step likewise."""
+    import transformers
+    from safetensors.torch import load_file
+    from transformers.cache_utils import MtpCache
+    from transformers.modeling_layers import MtpModel
+    d, art = kinds(kind)
+    cfg = transformers.AutoConfig.from_pretrained(d)
+    cfg = getattr(cfg, "text_config", cfg)
+    cfg.num_mtp_layers, cfg.mtp_layer_types = 1, ["full_attention"]
+    main = getattr(transformers, cls).from_pretrained(d, config=cfg, dtype=torch.float32).eval()
+    mtp = MtpModel(main, 1).eval()
+    names = {"mtp.fc.": "layers.0.eh_proj.", "mtp.pre_fc_norm_embedding.": "layers.0.enorm.",
+             "mtp.pre_fc_norm_hidden.": "layers.0.hnorm.", "mtp.norm.": "layers.0.post_norm.",
+             "mtp.layers.0.": "layers.0.mtp_block."}
+    sd, experts = {}, {}
+    for k, v in load_file(str(d / "mtp.safetensors")).items():
+        head = next(p for p in names if k.startswith(p))
+        k = names[head] + k[len(head):]
+        m = re.match(r"(.*mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", k)
+        if m:   # per-expert names on disk, fused parameters in the HF MoE block
+            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = v.float()
+        else:
+            sd[k] = v.float()
+    for k, per in experts.items():
+        sd[k + ".gate_up_proj"] = torch.stack([torch.cat([per[e]["gate"], per[e]["up"]]) for e in sorted(per)])
+        sd[k + ".down_proj"] = torch.stack([per[e]["down"] for e in sorted(per)])
+    missing, unexpected = mtp.load_state_dict(sd, strict=False)
+    assert not unexpected and all(m.startswith(("embed_tokens", "shared_head", "rotary_emb")) for m in missing)
+
+    eng = engine(art, prefill_chunk=64)
+    got = []
+    real = eng.spec._mtp
+    eng.spec._mtp = lambda *a: got.append(real(*a)) or got[-1]
+    (p,) = prompts(23, seed=5)
+    seq = eng.open(p, max_new=8)
+    assert eng.prefill(seq)
+    n = len(p)
+    cache = MtpCache(config=cfg.get_mtp_config())
+    with torch.no_grad():
+        h = main.model(torch.tensor([p])).last_hidden_state
+        ref = mtp.forward_layer(0, h, torch.arange(n)[None], cache, input_ids=torch.tensor([seq.tokens[1:n + 1]]))
+        first = int(main.lm_head(ref[0, -1]).argmax())
+        # the next draft step pairs that output with the draft, one position on, over the same MTP cache
+        ref2 = mtp.forward_layer(0, ref[:, -1:], torch.tensor([[n]]), cache, input_ids=torch.tensor([[first]]))
+        second = int(main.lm_head(ref2[0, -1]).argmax())
+    assert compare(got[0], ref[0], PRESET).ok and compare(got[1], ref2[0], PRESET).ok
+    assert seq.drafts[:2] == [first, second] and len(seq.drafts) == 3
+    eng.release(seq)
+
+
+@pytest.mark.parametrize("kind,k", [("dense", 1), ("dense", 3), ("dense", 5), ("moe", 3)])
+def test_greedy_identical_to_plain_decoding(kinds, kind, k):
+    _, art = kinds(kind)
+    ps = prompts(9, 17, 4)
+    ref = plain(art, ps, 24)
+    eng = engine(art, SpeculativeConfig("mtp", k))
+    assert [s.generated for s in eng.generate(ps, max_new=24)] == ref
+    st = eng.spec.stats
+    assert st["num_drafts"] > 0 and st["num_draft_tokens"] > st["num_drafts"] * (k > 1)
+    assert eng.cache.in_use == (0, 0)
+
+
+def oracle_drafts(monkeypatch, continuation: dict, wrong_at: int | None):
+    """Replace the MTP drafts by the known continuation of each prompt (keyed by its first tokens), with the draft
+    at index wrong_at (when the round drafts that many) changed: the rounds then accept all of them, or up to it."""
+    real = MtpSpeculator._draft
+
+    def draft(self, seqs, last):
+        real(self, seqs, last)   # the MTP layer still runs (its KV, its cost); its drafts are replaced
+        for s in seqs:
+            full = continuation[tuple(s.prompt[:4])]
+            n = len(s.drafts)
+            s.drafts = list(full[len(s.tokens):len(s.tokens) + n])
+            if wrong_at is not None and wrong_at < len(s.drafts):
+                s.drafts[wrong_at] = (s.drafts[wrong_at] + 1) % 1024
+    monkeypatch.setattr(MtpSpeculator, "_draft", draft)
+
+
+@pytest.mark.parametrize("kind,wrong_at", [("dense", None), ("dense", 0), ("dense", 1), ("dense", 2), ("moe", None),
+                                           ("moe", 1)])
+def test_injected_drafts_are_accepted_and_rejections_roll_back(kinds, monkeypatch, kind, wrong_at):
+    _, art = kinds(kind)
+    ps = prompts(9, 17, 4, seed=3)
+    ref = plain(art, ps, 30)
+    oracle_drafts(monkeypatch, {tuple(p[:4]): p + r for p, r in zip(ps, ref)}, wrong_at)
+    eng = engine(art)
+    seqs = eng.generate(ps, max_new=30)
+    assert [s.generated for s in seqs] == ref
+    st, per_pos = eng.spec.stats, eng.spec.accepted_per_pos
+    if wrong_at is None:   # every draft accepted: a round commits K + 1 tokens
+        assert st["num_accepted_tokens"] == st["num_draft_tokens"] > 0
+        assert st["num_drafts"] <= 3 * (1 + -(-29 // 4))
+    else:   # the drafts before the wrong one, never it or the ones after it (rejections: rolled-back lanes)
+        assert per_pos[wrong_at:] == [0] * (3 - wrong_at) and all(n > 0 for n in per_pos[:wrong_at])
+        assert st["num_accepted_tokens"] < st["num_draft_tokens"]
+    assert eng.cache.in_use == (0, 0)
+
+
+def test_stop_token_inside_a_round_then_prefix_caching(ckpt, monkeypatch):
+    """A stop token among accepted drafts ends the sequence there; the lane retained for prefix caching then holds
+    exactly the tokens it kept (its GDN state rolled back to them): the next turn equals a fresh engine's."""
+    _, art = ckpt
+    (p,) = prompts(11, seed=7)
+    ref = plain(art, [p], 20)[0]
+    stop = ref[9]
+    upto = ref[:ref.index(stop) + 1]
+    oracle_drafts(monkeypatch, {tuple(p[:4]): p + ref}, None)
+    eng = engine(art, prefix_caching=True)
+    (seq,) = eng.generate([p], max_new=20, stop_ids=[stop])
+    assert seq.generated == upto and seq.finish_reason == "stop"
+    turn2 = p + upto + prompts(5, seed=8)[0]
+    monkeypatch.undo()
+    again = eng.generate([turn2], max_new=12)[0]
+    assert again.cached > len(p)                  # the retained lane served the prefix
+    assert again.generated == plain(art, [turn2], 12)[0]
+
+
+def test_max_new_and_context_limits_bound_the_drafts(ckpt, monkeypatch):
+    _, art = ckpt
+    ps = prompts(9, 17, seed=4)
+    ref = plain(art, ps, 40)
+    oracle_drafts(monkeypatch, {tuple(p[:4]): p + r for p, r in zip(ps, ref)}, None)
+    for max_new in (1, 2, 5, 6):
+        eng = engine(art)
+        assert [s.generated for s in eng.generate(ps, max_new=max_new)] == [r[:max_new] for r in ref]
+    eng = engine(art, max_context=24)   # the 17-token prompt reaches the context limit
+    got = eng.generate(ps, max_new=40)
+    assert [s.generated for s in got] == [r[:24 - len(p)] for p, r in zip(ps, ref)]
+    assert [s.finish_reason for s in got] == ["length", "length"]
+
+
+@pytest.mark.parametrize("injected", [False, True])
+def test_sampling_and_penalties_draw_what_plain_decoding_draws(ckpt, monkeypatch, injected):
+    """Lanes that sample (seeded) or apply penalties: each verify row is drawn with the counter and penalty counts
+    its token has in plain decoding, so the tokens are plain decoding's, with the MTP layer's drafts and with drafts
+    from the known continuation (accepted: the draw equals the draft)."""
+    _, art = ckpt
+    ps = prompts(9, 13, 6, 11, seed=2)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=11),
+              SamplingParams(presence_penalty=1.0, frequency_penalty=0.5),
+              SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, presence_penalty=0.5, seed=3)]
+    ref = [s.generated for s in engine(art, None).generate(ps, max_new=20, sampling=params)]
+    if injected:
+        oracle_drafts(monkeypatch, {tuple(p[:4]): p + r for p, r in zip(ps, ref)}, None)
+    eng = engine(art)
+    assert [s.generated for s in eng.generate(ps, max_new=20, sampling=params)] == ref
+    st = eng.spec.stats
+    assert st["num_drafts"] > 0 and (not injected or st["num_accepted_tokens"] == st["num_draft_tokens"])
+
+
+def test_bad_configurations_are_refused(ckpt, tmp_path):
+    d, _ = ckpt
+    for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"num_speculative_tokens": 9}',
+                '{"num_speculative_tokens": "3"}', '{"model": "x"}', '[3]', 'mtp'):
+        with pytest.raises(SpeculativeConfigError):
+            SpeculativeConfig.parse(bad)
+    assert SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}') == SpeculativeConfig("mtp", 2)
+    no_mtp = tmp_path / "no_mtp.ninfer"
+    convert(plan_conversion(d, fmt="fp32", skip=("mtp",)), no_mtp)
+    with pytest.raises(EngineError, match="MTP layer"):
+        engine(no_mtp)
+
+
+class IdText:
+    """A detokenizer that writes token t as "<t>" (a stop string can then name any token)."""
+
+    def push(self, tok: int) -> str:
+        return f"<{tok}>"
+
+    def finish(self) -> str:
+        return ""
+
+
+def test_scheduler_events_and_stop_strings_inside_rounds(ckpt, monkeypatch):
+    """Through the scheduler: a round's tokens arrive as one event (its token count), the text is every token's; a
+    stop string completed by a token inside a round ends the request there, reporting the tokens up to it."""
+    import asyncio
+
+    from ninfer.runtime import scheduler as S
+    _, art = ckpt
+    (p,) = prompts(10, seed=9)
+    ref = plain(art, [p], 24)[0]
+    oracle_drafts(monkeypatch, {tuple(p[:4]): p + ref}, None)
+    eng = engine(art)
+
+    async def run(stops):
+        s = S.Scheduler(eng)
+        try:
+            h = s.submit(S.Request(prompt=p, max_new=24, stop_strings=tuple(stops), detokenizer=IdText()))
+            evs = [ev async for ev in h]
+            return [e for e in evs if isinstance(e, S.Text)], evs[-1]
+        finally:
+            s.close()
+    texts, done = asyncio.run(run(()))
+    assert "".join(t.text for t in texts) == "".join(f"<{t}>" for t in ref) and done.completion_tokens == 24
+    assert sum(t.tokens for t in texts) == 24 and max(t.tokens for t in texts) == 4   # K + 1 a round
+    # a token first seen in the middle of a round (the first token comes from prefill; rounds then give 4 each)
+    i = next(i for i in range(10, 24) if ref[i] not in ref[:i] and i % 4 != 0)
+    texts, done = asyncio.run(run([f"<{ref[i]}>"]))
+    assert "".join(t.text for t in texts) == "".join(f"<{t}>" for t in ref[:i])
+    assert done.finish_reason == "stop" and done.completion_tokens == i + 1
+    assert eng.cache.in_use == (0, 0)
+
+
+def test_bench_spec_runs_the_three_modes(ckpt):
+    """`ninfer-bench spec`'s measurement (run here on the reference backend, tiny model): plain decoding commits a
+    token a call per lane, the MTP layer's random drafts about as much, drafts from the known continuation K + 1."""
+    from ninfer.cli.bench_spec import bench_spec
+    _, art = ckpt
+    eng = engine(art, max_context=200)
+    lines = []
+    rows = bench_spec(eng.cfg, eng, [1, 2], 12, rounds=4, k=3, fmt="bf16", copy_gbs=None, echo=lines.append)
+    got = {(r["concurrency"], r["mode"]): r for r in rows}
+    assert len(got) == 6 and len(lines) == 8
+    for c in (1, 2):
+        assert got[c, "plain"]["tokens_per_call"] == c and got[c, "plain"]["acceptance"] is None
+        assert c <= got[c, "mtp drafts"]["tokens_per_call"] < 2 * c
+        assert got[c, "known drafts"]["tokens_per_call"] == 4 * c and got[c, "known drafts"]["acceptance"] == 1.0
+    assert eng.cache.in_use == (0, 0)

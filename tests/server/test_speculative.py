@@ -1,0 +1,97 @@
+"""ninfer-serve --speculative-config (MTP) through the official SDKs: greedy answers identical to the plain server's,
+streamed or not, while drafts are rejected (the demo's random MTP layer) and while
+they are accepted (drafts injected from an earlier answer to the same prompt: several tokens a step reach the event
+stream); sampling requests beside them; the spec_decode counters in /metrics."""
+import pytest
+
+from ninfer.runtime.engine import Engine
+from ninfer.runtime.speculative import MtpSpeculator
+from tests.server.conftest import LiveServer
+from tests.server.test_ops import metrics
+
+MODEL = "ninfer-demo"
+CONFIG = '{"method": "mtp", "num_speculative_tokens": 3}'
+ASKS = [[{"role": "user", "content": "Say hello."}],
+        [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]]
+
+
+@pytest.fixture(scope="module")
+def spec_server(demo_artifact):
+    s = LiveServer(demo_artifact, max_concurrency=4, max_context=1024, prefill_chunk=64, max_pending=16,
+                   pending_timeout_ms=120_000, speculative_config=CONFIG)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def known(monkeypatch):
+    """Records each finished request's tokens (by engine and prompt); drafts then come from the tokens an earlier
+    request with the same prompt produced on the same engine, where one did (accepted up to its end)."""
+    known = {}
+    real_release, real_draft = Engine.release, MtpSpeculator._draft
+
+    def release(self, seq, retain=True):
+        if seq.n_generated:
+            known[id(self), tuple(seq.prompt)] = list(seq.tokens)
+        return real_release(self, seq, retain)
+
+    def draft(self, seqs, last):
+        real_draft(self, seqs, last)
+        for s in seqs:
+            full = known.get((id(self.engine), tuple(s.prompt)))
+            if full is not None and len(full) > len(s.tokens):
+                s.drafts = full[len(s.tokens):len(s.tokens) + len(s.drafts)]
+    monkeypatch.setattr(Engine, "release", release)
+    monkeypatch.setattr(MtpSpeculator, "_draft", draft)
+    return known
+
+
+def ask(server, messages, stream=False, **kw):
+    c = server.openai()
+    args = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0, **kw)
+    if not stream:
+        r = c.chat.completions.create(**args)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+    chunks = list(c.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    reason = next(ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason)
+    return text, reason, chunks[-1].usage.completion_tokens
+
+
+def tokens(known, server, messages):
+    prompt = server.state.text.encode(server.state.text.render(messages, None, True))
+    return known[id(server.engine), tuple(prompt)][len(prompt):]
+
+
+def test_greedy_answers_equal_the_plain_servers(server, spec_server, known):
+    """With the MTP layer's own drafts (random: rejected), then with drafts from the first answer (accepted: a round
+    commits several tokens, streamed as one event), the answers, token for token, are the plain server's."""
+    count = lambda name: metrics(spec_server).get((name, ()), 0)   # noqa: E731
+    for messages in ASKS:
+        want = ask(server, messages)
+        plain = tokens(known, server, messages)
+        drafts = count("ninfer_spec_decode_num_draft_tokens_total")
+        assert ask(spec_server, messages) == want and tokens(known, spec_server, messages) == plain
+        assert count("ninfer_spec_decode_num_draft_tokens_total") > drafts
+        steps, accepted = count("ninfer_decode_steps_total"), count("ninfer_spec_decode_num_accepted_tokens_total")
+        assert ask(spec_server, messages, stream=True) == want and tokens(known, spec_server, messages) == plain
+        assert count("ninfer_spec_decode_num_accepted_tokens_total") - accepted >= len(plain) // 2
+        assert count("ninfer_decode_steps_total") - steps <= len(plain) // 2
+    spec_server.wait_idle()
+
+
+def test_sampling_requests_beside_greedy_ones(server, spec_server):
+    hot = dict(temperature=0.8, seed=5, max_tokens=24)
+    c, p = spec_server.openai(), server.openai()
+    got = c.chat.completions.create(model=MODEL, messages=ASKS[0], **hot).choices[0].message.content
+    assert got == p.chat.completions.create(model=MODEL, messages=ASKS[0], **hot).choices[0].message.content
+    spec_server.wait_idle()
+
+
+def test_bad_speculative_config_is_refused(demo_artifact):
+    import click
+    for bad, what in (('{"method": "ngram"}', "not supported"), ('{"num_speculative_tokens": 12}', "1..8"),
+                      ("{method: mtp}", "not JSON")):
+        with pytest.raises(click.ClickException, match=what):
+            LiveServer(demo_artifact, max_concurrency=1, max_context=256, max_pending=1, pending_timeout_ms=1000,
+                       speculative_config=bad)
