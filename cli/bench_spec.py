@@ -21,32 +21,24 @@ import click
 def _spec_rows(eng, prompts, rounds: int, known: dict | None, sync) -> dict:
     """Open, prefill and run `rounds` timed decode calls for these prompts (greedy); drafts from `known` (prompt ->
     its continuation) where given. Returns per-call medians and every sequence's tokens."""
-    from ninfer.runtime.speculative import MtpSpeculator
-    real = MtpSpeculator._draft
-
-    def draft(self, seqs, last):
-        real(self, seqs, last)
-        for s in seqs:
-            full = known[tuple(s.prompt)]
-            s.drafts = full[len(s.tokens):len(s.tokens) + len(s.drafts)]
-    if known is not None:
-        MtpSpeculator._draft = draft
+    from ninfer.runtime.speculative import drafts_from
     before = dict(eng.spec.stats) if eng.spec is not None else None
     seqs = [eng.open(p, max_new=1 << 30) for p in prompts]
     try:
-        for s in seqs:
-            while not eng.prefill(s):
-                pass
-        eng.decode(seqs)   # warm-up (plans, graphs)
-        sync()
-        times, tokens = [], []
-        for _ in range(rounds):
-            n0 = sum(s.n_generated for s in seqs)
-            t0 = time.perf_counter()
-            eng.decode(seqs)
-            times.append(time.perf_counter() - t0)
-            tokens.append(sum(s.n_generated for s in seqs) - n0)
-        sync()
+        with drafts_from(known or {}):
+            for s in seqs:
+                while not eng.prefill(s):
+                    pass
+            eng.decode(seqs)   # warm-up (plans, graphs)
+            sync()
+            times, tokens = [], []
+            for _ in range(rounds):
+                n0 = sum(s.n_generated for s in seqs)
+                t0 = time.perf_counter()
+                eng.decode(seqs)
+                times.append(time.perf_counter() - t0)
+                tokens.append(sum(s.n_generated for s in seqs) - n0)
+            sync()
         out = {"call_s": statistics.median(times), "tokens_per_call": sum(tokens) / len(tokens),
                "tok_s": sum(tokens) / sum(times), "tokens": {tuple(s.prompt): list(s.tokens) for s in seqs},
                "context": len(seqs[0].tokens)}
@@ -55,7 +47,6 @@ def _spec_rows(eng, prompts, rounds: int, known: dict | None, sync) -> dict:
             out["acceptance"] = st["num_accepted_tokens"] / max(st["num_draft_tokens"], 1)
         return out
     finally:
-        MtpSpeculator._draft = real
         for s in seqs:
             eng.release(s)
 

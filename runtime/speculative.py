@@ -20,6 +20,7 @@ Not captured in CUDA graphs yet: a round is launched op by op.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,3 +208,26 @@ class MtpSpeculator:
         while k > 0 and -(-(len(seq.tokens) + k) // ps) - have > cache.available_pages:
             k -= 1
         return max(k, 0)
+
+
+@contextmanager
+def drafts_from(known: dict, alter=None):
+    """Within: a sequence whose prompt is a key of `known` (a tuple) gets its drafts from the tokens there (its known
+    continuation), after the MTP layer ran (its cost, its KV), changed by alter(drafts) where given. Random weights
+    reject the MTP layer's own drafts: this is how ninfer-bench spec measures rounds whose drafts hold, and how the
+    tests drive acceptance and rollback."""
+    real = MtpSpeculator._draft
+
+    def draft(self, seqs, last):
+        real(self, seqs, last)
+        for s in seqs:
+            full = known.get(tuple(s.prompt))
+            if full is not None:
+                s.drafts = list(full[len(s.tokens):len(s.tokens) + len(s.drafts)])
+                if alter is not None:
+                    alter(s.drafts)
+    MtpSpeculator._draft = draft
+    try:
+        yield
+    finally:
+        MtpSpeculator._draft = real

@@ -31,6 +31,14 @@ def prompts(seed=0):
     return [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (7, 19, 33, 4)]
 
 
+def wrong(at):
+    """A change of the draft at index `at` (when a round drafts that many), or None."""
+    def alter(drafts):
+        if at < len(drafts):
+            drafts[at] = (drafts[at] + 1) % 1024
+    return None if at is None else alter
+
+
 @pytest.fixture(scope="module")
 def engines():
     from ninfer.runtime.engine import Engine
@@ -71,24 +79,14 @@ def test_greedy_agrees_with_plain_decoding(engines, kind, k):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("wrong_at", [None, 1])
-def test_injected_drafts_accept_and_roll_back(engines, kind, wrong_at, monkeypatch):
-    from ninfer.runtime.speculative import MtpSpeculator
+def test_injected_drafts_accept_and_roll_back(engines, kind, wrong_at):
+    from ninfer.runtime.speculative import drafts_from
     plain, spec = engines(kind), engines(kind, 3)
     ps = prompts(seed=1)
     want = [s.generated for s in plain.generate(ps, max_new=40)]
-    full = {tuple(p): p + w for p, w in zip(ps, want)}
-    real = MtpSpeculator._draft
-
-    def draft(self, seqs, last):
-        real(self, seqs, last)
-        for s in seqs:
-            f = full[tuple(s.prompt)]
-            s.drafts = f[len(s.tokens):len(s.tokens) + len(s.drafts)]
-            if wrong_at is not None and wrong_at < len(s.drafts):
-                s.drafts[wrong_at] = (s.drafts[wrong_at] + 1) % 1024
-    monkeypatch.setattr(MtpSpeculator, "_draft", draft)
     before = dict(spec.spec.stats)
-    got = [s.generated for s in spec.generate(ps, max_new=40)]
+    with drafts_from({tuple(p): p + w for p, w in zip(ps, want)}, wrong(wrong_at)):
+        got = [s.generated for s in spec.generate(ps, max_new=40)]
     agree_up_to_near_ties(plain, ps, got, want)
     accepted = spec.spec.stats["num_accepted_tokens"] - before["num_accepted_tokens"]
     assert accepted > (40 if wrong_at is None else 10)

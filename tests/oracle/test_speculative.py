@@ -13,7 +13,7 @@ import torch
 from ninfer.runtime.convert import convert, plan_conversion
 from ninfer.runtime.engine import Engine, EngineError, SamplingParams
 from ninfer.runtime.manifest import Manifest
-from ninfer.runtime.speculative import MtpSpeculator, SpeculativeConfig, SpeculativeConfigError
+from ninfer.runtime.speculative import SpeculativeConfig, SpeculativeConfigError, drafts_from
 from ninfer.runtime.tolerance import compare
 from tests.fixtures.tiny_checkpoints import build
 
@@ -121,31 +121,28 @@ def test_greedy_identical_to_plain_decoding(kinds, kind, k):
     assert eng.cache.in_use == (0, 0)
 
 
-def oracle_drafts(monkeypatch, continuation: dict, wrong_at: int | None):
-    """Replace the MTP drafts by the known continuation of each prompt (keyed by its first tokens), with the draft
-    at index wrong_at (when the round drafts that many) changed: the rounds then accept all of them, or up to it."""
-    real = MtpSpeculator._draft
+def wrong(at):
+    """A change of the draft at index `at` (when a round drafts that many): the rounds accept up to it."""
+    def alter(drafts):
+        if at < len(drafts):
+            drafts[at] = (drafts[at] + 1) % 1024
+    return None if at is None else alter
 
-    def draft(self, seqs, last):
-        real(self, seqs, last)   # the MTP layer still runs (its KV, its cost); its drafts are replaced
-        for s in seqs:
-            full = continuation[tuple(s.prompt[:4])]
-            n = len(s.drafts)
-            s.drafts = list(full[len(s.tokens):len(s.tokens) + n])
-            if wrong_at is not None and wrong_at < len(s.drafts):
-                s.drafts[wrong_at] = (s.drafts[wrong_at] + 1) % 1024
-    monkeypatch.setattr(MtpSpeculator, "_draft", draft)
+
+def known(ps, refs):
+    """drafts_from's map: each prompt -> prompt + its plain continuation."""
+    return {tuple(p): p + r for p, r in zip(ps, refs)}
 
 
 @pytest.mark.parametrize("kind,wrong_at", [("dense", None), ("dense", 0), ("dense", 1), ("dense", 2), ("moe", None),
                                            ("moe", 1)])
-def test_injected_drafts_are_accepted_and_rejections_roll_back(kinds, monkeypatch, kind, wrong_at):
+def test_injected_drafts_are_accepted_and_rejections_roll_back(kinds, kind, wrong_at):
     _, art = kinds(kind)
     ps = prompts(9, 17, 4, seed=3)
     ref = plain(art, ps, 30)
-    oracle_drafts(monkeypatch, {tuple(p[:4]): p + r for p, r in zip(ps, ref)}, wrong_at)
     eng = engine(art)
-    seqs = eng.generate(ps, max_new=30)
+    with drafts_from(known(ps, ref), wrong(wrong_at)):
+        seqs = eng.generate(ps, max_new=30)
     assert [s.generated for s in seqs] == ref
     st, per_pos = eng.spec.stats, eng.spec.accepted_per_pos
     if wrong_at is None:   # every draft accepted: a round commits K + 1 tokens
@@ -157,7 +154,7 @@ def test_injected_drafts_are_accepted_and_rejections_roll_back(kinds, monkeypatc
     assert eng.cache.in_use == (0, 0)
 
 
-def test_stop_token_inside_a_round_then_prefix_caching(ckpt, monkeypatch):
+def test_stop_token_inside_a_round_then_prefix_caching(ckpt):
     """A stop token among accepted drafts ends the sequence there; the lane retained for prefix caching then holds
     exactly the tokens it kept (its GDN state rolled back to them): the next turn equals a fresh engine's."""
     _, art = ckpt
@@ -165,33 +162,32 @@ def test_stop_token_inside_a_round_then_prefix_caching(ckpt, monkeypatch):
     ref = plain(art, [p], 20)[0]
     stop = ref[9]
     upto = ref[:ref.index(stop) + 1]
-    oracle_drafts(monkeypatch, {tuple(p[:4]): p + ref}, None)
     eng = engine(art, prefix_caching=True)
-    (seq,) = eng.generate([p], max_new=20, stop_ids=[stop])
+    with drafts_from(known([p], [ref])):
+        (seq,) = eng.generate([p], max_new=20, stop_ids=[stop])
     assert seq.generated == upto and seq.finish_reason == "stop"
     turn2 = p + upto + prompts(5, seed=8)[0]
-    monkeypatch.undo()
     again = eng.generate([turn2], max_new=12)[0]
     assert again.cached > len(p)                  # the retained lane served the prefix
     assert again.generated == plain(art, [turn2], 12)[0]
 
 
-def test_max_new_and_context_limits_bound_the_drafts(ckpt, monkeypatch):
+def test_max_new_and_context_limits_bound_the_drafts(ckpt):
     _, art = ckpt
     ps = prompts(9, 17, seed=4)
     ref = plain(art, ps, 40)
-    oracle_drafts(monkeypatch, {tuple(p[:4]): p + r for p, r in zip(ps, ref)}, None)
-    for max_new in (1, 2, 5, 6):
-        eng = engine(art)
-        assert [s.generated for s in eng.generate(ps, max_new=max_new)] == [r[:max_new] for r in ref]
-    eng = engine(art, max_context=24)   # the 17-token prompt reaches the context limit
-    got = eng.generate(ps, max_new=40)
+    with drafts_from(known(ps, ref)):
+        for max_new in (1, 2, 5, 6):
+            eng = engine(art)
+            assert [s.generated for s in eng.generate(ps, max_new=max_new)] == [r[:max_new] for r in ref]
+        eng = engine(art, max_context=24)   # the 17-token prompt reaches the context limit
+        got = eng.generate(ps, max_new=40)
     assert [s.generated for s in got] == [r[:24 - len(p)] for p, r in zip(ps, ref)]
     assert [s.finish_reason for s in got] == ["length", "length"]
 
 
 @pytest.mark.parametrize("injected", [False, True])
-def test_sampling_and_penalties_draw_what_plain_decoding_draws(ckpt, monkeypatch, injected):
+def test_sampling_and_penalties_draw_what_plain_decoding_draws(ckpt, injected):
     """Lanes that sample (seeded) or apply penalties: each verify row is drawn with the counter and penalty counts
     its token has in plain decoding, so the tokens are plain decoding's, with the MTP layer's drafts and with drafts
     from the known continuation (accepted: the draw equals the draft)."""
@@ -201,10 +197,9 @@ def test_sampling_and_penalties_draw_what_plain_decoding_draws(ckpt, monkeypatch
               SamplingParams(presence_penalty=1.0, frequency_penalty=0.5),
               SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, presence_penalty=0.5, seed=3)]
     ref = [s.generated for s in engine(art, None).generate(ps, max_new=20, sampling=params)]
-    if injected:
-        oracle_drafts(monkeypatch, {tuple(p[:4]): p + r for p, r in zip(ps, ref)}, None)
     eng = engine(art)
-    assert [s.generated for s in eng.generate(ps, max_new=20, sampling=params)] == ref
+    with drafts_from(known(ps, ref) if injected else {}):
+        assert [s.generated for s in eng.generate(ps, max_new=20, sampling=params)] == ref
     st = eng.spec.stats
     assert st["num_drafts"] > 0 and (not injected or st["num_accepted_tokens"] == st["num_draft_tokens"])
 
@@ -232,7 +227,7 @@ class IdText:
         return ""
 
 
-def test_scheduler_events_and_stop_strings_inside_rounds(ckpt, monkeypatch):
+def test_scheduler_events_and_stop_strings_inside_rounds(ckpt):
     """Through the scheduler: a round's tokens arrive as one event (its token count), the text is every token's; a
     stop string completed by a token inside a round ends the request there, reporting the tokens up to it."""
     import asyncio
@@ -241,7 +236,6 @@ def test_scheduler_events_and_stop_strings_inside_rounds(ckpt, monkeypatch):
     _, art = ckpt
     (p,) = prompts(10, seed=9)
     ref = plain(art, [p], 24)[0]
-    oracle_drafts(monkeypatch, {tuple(p[:4]): p + ref}, None)
     eng = engine(art)
 
     async def run(stops):
@@ -252,12 +246,14 @@ def test_scheduler_events_and_stop_strings_inside_rounds(ckpt, monkeypatch):
             return [e for e in evs if isinstance(e, S.Text)], evs[-1]
         finally:
             s.close()
-    texts, done = asyncio.run(run(()))
+    with drafts_from(known([p], [ref])):
+        texts, done = asyncio.run(run(()))
     assert "".join(t.text for t in texts) == "".join(f"<{t}>" for t in ref) and done.completion_tokens == 24
     assert sum(t.tokens for t in texts) == 24 and max(t.tokens for t in texts) == 4   # K + 1 a round
     # a token first seen in the middle of a round (the first token comes from prefill; rounds then give 4 each)
     i = next(i for i in range(10, 24) if ref[i] not in ref[:i] and i % 4 != 0)
-    texts, done = asyncio.run(run([f"<{ref[i]}>"]))
+    with drafts_from(known([p], [ref])):
+        texts, done = asyncio.run(run([f"<{ref[i]}>"]))
     assert "".join(t.text for t in texts) == "".join(f"<{t}>" for t in ref[:i])
     assert done.finish_reason == "stop" and done.completion_tokens == i + 1
     assert eng.cache.in_use == (0, 0)
