@@ -117,9 +117,9 @@ class SequenceCache:
         self.snapshot_states = {i: (conv[:prefix_snapshots].clone(), state[:prefix_snapshots].clone())
                                 for i, (conv, state) in self.gdn.items()} if prefix_snapshots else {}
         self.snapshots: dict[tuple, Snapshot] = {}
-        # speculative decoding: each lane's GDN state before its verify step
-        self.spec_states = {i: (conv[:max_seqs].clone(), state[:max_seqs].clone())
-                            for i, (conv, state) in self.gdn.items()} if mtp else {}
+        # speculative decoding: each lane's GDN state before its verify step (and the scratch lane's: a captured
+        # verify step warms up on it)
+        self.spec_states = {i: (conv.clone(), state.clone()) for i, (conv, state) in self.gdn.items()} if mtp else {}
         self.free_snapshot_slots = list(range(prefix_snapshots))
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
         self.free_slots = list(range(max_seqs - 1, -1, -1))
@@ -450,7 +450,7 @@ def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_contex
     attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
     page_bytes = 2 * (attn_layers + mtp) * page_size * cfg.kv_heads * cfg.head_dim * kv_dtype.itemsize
     # lanes and scratch + checkpoints, snapshots, the states kept aside for speculative verify steps
-    gdn_slots = max_seqs + 1 + (max_seqs if prefix_caching else 0) + prefix_snapshots + (max_seqs if mtp else 0)
+    gdn_slots = max_seqs + 1 + (max_seqs if prefix_caching else 0) + prefix_snapshots + (max_seqs + 1 if mtp else 0)
     gdn_bytes = (cfg.layers - attn_layers) * gdn_slots * (
         cfg.v_heads * cfg.k_dim * cfg.v_dim * 4 + cfg.conv_channels * (cfg.conv_width - 1) * 2)
     free, _ = torch.cuda.mem_get_info(device)

@@ -502,7 +502,7 @@ class Engine:
 
     def close(self) -> None:
         """Drop the weights (CPU weights may be views of the artifact's mapping), then close the artifact."""
-        self.model = self.weights = self.graphs = self._ahead = None
+        self.model = self.weights = self.graphs = self._ahead = self.spec = None
         if self.art is not None:
             self.art.close()
             self.art = None

@@ -15,7 +15,8 @@ MTP layer reads (the target's final-normed hidden h_t, token t+1) for each kept 
 its last row drafts the next round's first token; K - 1 further MTP steps each pair the previous MTP output with the
 draft it chose. Prefill runs the MTP layer over every prompt chunk too (its KV at every prompt position).
 
-Not captured in CUDA graphs yet: a round is launched op by op.
+The verify step of a round whose lanes are all greedy without penalties and verify all K drafts is a CUDA-graph replay
+(verify_graph.py); the rest of a round (rollback, MTP steps) and other rounds are launched op by op.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from .decode_graph import count_tokens
+from .verify_graph import VerifyStep
 
 METHODS = ("mtp",)
 MAX_SPECULATIVE_TOKENS = 8   # verify steps of up to 8 x 9 tokens stay within the decode-sized routes' reach
@@ -75,6 +77,7 @@ class MtpSpeculator:
         self.config = config
         self.stats = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
         self.accepted_per_pos = [0] * self.k
+        self.verify: dict[int, VerifyStep] = {}   # per batch size, made on first use
 
     # -- prefill ---------------------------------------------------------------------------------
     def after_prefill(self, seq, a: int, b: int, normed: torch.Tensor) -> None:
@@ -96,13 +99,7 @@ class MtpSpeculator:
         for seq in seqs:   # drafts the lane may still use: within max_new, the context and the free pages
             seq.drafts = seq.drafts[:self._budget(seq)]
         spans = [(len(s.tokens) - 1, len(s.tokens) + len(s.drafts)) for s in seqs]
-        ids, step, rows = e._inputs(seqs, spans, all_rows=True)
-        speculative = any(s.drafts for s in seqs)
-        if speculative:
-            e.cache.save_states(step.state_slots)
-            step.keep = []
-        logits, normed = e.model.forward(e.be, ids, step, rows, normed=True)
-        target = self._picks(logits, seqs, spans).tolist()
+        target, normed, keep = self._verify(seqs, spans)
         kept, o, committed = [], 0, []
         for seq, (a, b) in zip(seqs, spans):
             drafts, t = seq.drafts, target[o:o + b - a]
@@ -128,8 +125,8 @@ class MtpSpeculator:
         slots, toks = zip(*committed)   # the penalties' counts, as plain decoding adds them
         count_tokens(e._counts, torch.tensor(slots, dtype=torch.int32, device=e.device),
                      torch.tensor(toks, dtype=torch.int32, device=e.device))
-        if speculative:
-            self._roll_back(seqs, spans, kept, step)
+        if keep is not None:
+            self._roll_back(seqs, spans, kept, keep)
         live = [(i, s) for i, s in enumerate(seqs) if s.finish_reason is None and self._budget(s) > 0]
         if live:
             qs = np.cumsum([0] + [b - a for a, b in spans])
@@ -140,6 +137,26 @@ class MtpSpeculator:
             out = self._mtp(lanes, [(spans[i][0], spans[i][0] + kept[i]) for i, _ in live], normed.index_select(0, idx))
             ends = torch.tensor(np.cumsum([kept[i] for i, _ in live]) - 1, device=e.device)
             self._draft(lanes, out.index_select(0, ends))
+
+    def _verify(self, seqs, spans):
+        """Run the verify step: (the target's token at every row, the final-normed hidden of every row, the GDN
+        layers' recorded inputs (None when no lane has drafts: nothing to roll back)). A replayed VerifyStep when every
+        lane is greedy without penalties and has all K drafts, else op by op."""
+        e = self.engine
+        if all(len(s.drafts) == self.k and s.sampling.temperature <= 0 and not s.sampling.presence_penalty
+               and not s.sampling.frequency_penalty for s in seqs):
+            for s, (a, b) in zip(seqs, spans):
+                e.cache.grow(s.pages, b)
+            vs = self.verify.get(len(seqs))
+            if vs is None:
+                vs = self.verify[len(seqs)] = VerifyStep(e, len(seqs), self.k + 1, graph=e.graphs is not None)
+            return vs.run(seqs), vs.normed, vs.keep
+        ids, step, rows = e._inputs(seqs, spans, all_rows=True)
+        if any(s.drafts for s in seqs):
+            e.cache.save_states(step.state_slots)
+            step.keep = []
+        logits, normed = e.model.forward(e.be, ids, step, rows, normed=True)
+        return self._picks(logits, seqs, spans).tolist(), normed, step.keep
 
     def _picks(self, logits, seqs, spans) -> torch.Tensor:
         """The target's token at every verify row: row i of a lane is drawn as plain decoding draws the lane's
@@ -157,9 +174,9 @@ class MtpSpeculator:
                                   torch.ones(len(at), dtype=counts.dtype, device=e.device), accumulate=True)
         return e._choose(logits, [s for s, _ in rows], [s.n_generated + i for s, i in rows], counts)
 
-    def _roll_back(self, seqs, spans, kept, step) -> None:
+    def _roll_back(self, seqs, spans, kept, keep) -> None:
         """Lanes that kept fewer tokens than the verify step ran: their saved GDN states back, then the kept
-        tokens' conv and delta rule again (from the inputs the step recorded)."""
+        tokens' conv and delta rule again (from the inputs the step recorded in `keep`)."""
         short = [i for i, ((a, b), m) in enumerate(zip(spans, kept)) if m < b - a]
         if not short:
             return
@@ -169,7 +186,7 @@ class MtpSpeculator:
         e.cache.restore_states(slots)
         idx = torch.tensor(np.concatenate([np.arange(qs[i], qs[i] + kept[i]) for i in short]), device=e.device)
         query_start = torch.tensor(np.cumsum([0] + [kept[i] for i in short]), dtype=torch.int32, device=e.device)
-        for mixer, mixed, g, beta in step.keep:
+        for mixer, mixed, g, beta in keep:
             mixer.replay(e.be, mixed.index_select(0, idx), g.index_select(0, idx), beta.index_select(0, idx),
                          query_start, slots)
 

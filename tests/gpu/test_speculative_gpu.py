@@ -5,7 +5,8 @@ spans) where plain decoding runs gdn_decode and T = lanes; neither is bitwise eq
 agree token for token up to the first near-tie (the batch rule of test_engine_gpu: a parting is allowed only where the
 plain run's top-1 margin, scored, is within twice model_bf16's atol). Drafts come from the MTP layer (random: mostly
 rejected) and from the plain run's own tokens (accepted: the rollback of the rejected tail and the commit of whole
-rounds); the MTP layer's output agrees with the reference backend's within model_bf16."""
+rounds); the verify step's CUDA graph against its launches; the MTP layer's output agrees with the reference backend's
+within model_bf16."""
 import os
 from pathlib import Path
 
@@ -45,11 +46,11 @@ def engines():
     from ninfer.runtime.speculative import SpeculativeConfig
     made = {}
 
-    def get(kind, k=None, backend="cuda"):
-        key = (kind, k, backend)
+    def get(kind, k=None, backend="cuda", cuda_graphs=True):
+        key = (kind, k, backend, cuda_graphs)
         if key not in made:
             made[key] = Engine(artifact(kind), backend=backend, max_context=160, max_seqs=4, prefill_chunk=16,
-                               speculative=SpeculativeConfig("mtp", k) if k else None)
+                               speculative=SpeculativeConfig("mtp", k) if k else None, cuda_graphs=cuda_graphs)
         return made[key]
     return get
 
@@ -75,6 +76,19 @@ def test_greedy_agrees_with_plain_decoding(engines, kind, k):
     got = [s.generated for s in spec.generate(ps, max_new=40)]
     agree_up_to_near_ties(plain, ps, got, want)
     assert spec.spec.stats["num_draft_tokens"] > 0 and spec.cache.in_use == (0, 0)
+    assert spec.spec.verify[len(ps)].graph is not None   # the full-draft rounds replayed a captured verify step
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_captured_verify_step_equals_its_launches(engines, kind):
+    """The verify step replayed from its CUDA graph against the same step launched op by op (cuda_graphs off): the
+    same kernels on the same inputs, so the same tokens (up to near-ties, should a kernel reduce in another order)."""
+    ps = prompts(seed=4)
+    eager = engines(kind, 3, cuda_graphs=False)
+    want = [s.generated for s in eager.generate(ps, max_new=32)]
+    got = [s.generated for s in engines(kind, 3).generate(ps, max_new=32)]
+    assert all(v.graph is None for v in eager.spec.verify.values())
+    agree_up_to_near_ties(engines(kind), ps, got, want)
 
 
 @pytest.mark.parametrize("kind", KINDS)

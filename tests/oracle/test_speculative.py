@@ -118,6 +118,7 @@ def test_greedy_identical_to_plain_decoding(kinds, kind, k):
     assert [s.generated for s in eng.generate(ps, max_new=24)] == ref
     st = eng.spec.stats
     assert st["num_drafts"] > 0 and st["num_draft_tokens"] > st["num_drafts"] * (k > 1)
+    assert 3 in eng.spec.verify   # rounds of full drafts ran the static verify step
     assert eng.cache.in_use == (0, 0)
 
 
