@@ -227,8 +227,9 @@ class Engine:
         for s, (seq, (a, b)) in enumerate(zip(seqs, spans)):
             o = slice(qs[s], qs[s + 1])
             fed = seq.tokens[a + shift:b + shift]
-            if len(fed) < b - a:   # a verify step runs the drafts after the tokens
-                fed = fed + seq.drafts[:b - a - len(fed)]
+            if len(fed) < b - a:   # positions past the tokens hold the drafts (a verify step, an MTP draft step)
+                d = max(0, a + shift - len(seq.tokens))
+                fed = fed + seq.drafts[d:d + b - a - len(fed)]
             ids[o] = np.fromiter(fed, dtype=np.int32, count=b - a)
             positions[o] = np.arange(a, b, dtype=np.int32)
             token_seq[o] = s

@@ -15,8 +15,8 @@ MTP layer reads (the target's final-normed hidden h_t, token t+1) for each kept 
 its last row drafts the next round's first token; K - 1 further MTP steps each pair the previous MTP output with the
 draft it chose. Prefill runs the MTP layer over every prompt chunk too (its KV at every prompt position).
 
-The verify step of a round whose lanes are all greedy without penalties and verify all K drafts is a CUDA-graph replay
-(verify_graph.py); the rest of a round (rollback, MTP steps) and other rounds are launched op by op.
+A round whose lanes are all greedy without penalties and verify all K drafts is a CUDA-graph replay (verify_graph.py:
+verify, acceptance count, MTP steps); its rollback (when a draft was rejected) and other rounds are launched op by op.
 """
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ class MtpSpeculator:
         self.stats = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
         self.accepted_per_pos = [0] * self.k
         self.verify: dict[int, VerifyStep] = {}   # per batch size, made on first use
+        self.static = True   # rounds that can use a VerifyStep do (False: every round op by op; A/B and tests)
 
     # -- prefill ---------------------------------------------------------------------------------
     def after_prefill(self, seq, a: int, b: int, normed: torch.Tensor) -> None:
@@ -99,7 +100,7 @@ class MtpSpeculator:
         for seq in seqs:   # drafts the lane may still use: within max_new, the context and the free pages
             seq.drafts = seq.drafts[:self._budget(seq)]
         spans = [(len(s.tokens) - 1, len(s.tokens) + len(s.drafts)) for s in seqs]
-        target, normed, keep = self._verify(seqs, spans)
+        target, normed, keep, proposed = self._verify(seqs, spans)
         kept, o, committed = [], 0, []
         for seq, (a, b) in zip(seqs, spans):
             drafts, t = seq.drafts, target[o:o + b - a]
@@ -128,7 +129,11 @@ class MtpSpeculator:
         if keep is not None:
             self._roll_back(seqs, spans, kept, keep)
         live = [(i, s) for i, s in enumerate(seqs) if s.finish_reason is None and self._budget(s) > 0]
-        if live:
+        if live and proposed is not None:   # drafted inside the verify step, from each lane's last kept row
+            for i, s in live:
+                s.drafts = proposed[i][:self._budget(s)]
+            self._proposed([s for _, s in live])
+        elif live:
             qs = np.cumsum([0] + [b - a for a, b in spans])
             idx = torch.tensor(np.concatenate([np.arange(qs[i], qs[i] + kept[i]) for i, _ in live]),
                                device=e.device)
@@ -140,23 +145,29 @@ class MtpSpeculator:
 
     def _verify(self, seqs, spans):
         """Run the verify step: (the target's token at every row, the final-normed hidden of every row, the GDN
-        layers' recorded inputs (None when no lane has drafts: nothing to roll back)). A replayed VerifyStep when every
-        lane is greedy without penalties and has all K drafts, else op by op."""
-        e = self.engine
-        if all(len(s.drafts) == self.k and s.sampling.temperature <= 0 and not s.sampling.presence_penalty
-               and not s.sampling.frequency_penalty for s in seqs):
-            for s, (a, b) in zip(seqs, spans):
-                e.cache.grow(s.pages, b)
+        layers' recorded inputs (None when no lane has drafts: nothing to roll back), each lane's next drafts when the
+        step made them (else None)). A VerifyStep (replayed) when every lane is greedy without penalties and has all K
+        drafts and its draft steps' positions fit, else op by op."""
+        e, cache = self.engine, self.engine.cache
+        reach = [len(s.tokens) + 2 * self.k - 1 for s in seqs]   # the positions the step's draft steps write, + 1
+        if self.static and all(
+                len(s.drafts) == self.k and s.sampling.temperature <= 0 and not s.sampling.presence_penalty
+                and not s.sampling.frequency_penalty and r <= cache.max_context for s, r in zip(seqs, reach)) \
+                and sum(max(0, -(-r // cache.page_size) - len(s.pages)) for s, r in zip(seqs, reach)) \
+                <= cache.available_pages:
+            for s, r in zip(seqs, reach):
+                cache.grow(s.pages, r)
             vs = self.verify.get(len(seqs))
             if vs is None:
                 vs = self.verify[len(seqs)] = VerifyStep(e, len(seqs), self.k + 1, graph=e.graphs is not None)
-            return vs.run(seqs), vs.normed, vs.keep
+            target, drafts = vs.run(seqs)
+            return target, vs.normed, vs.keep, drafts
         ids, step, rows = e._inputs(seqs, spans, all_rows=True)
         if any(s.drafts for s in seqs):
-            e.cache.save_states(step.state_slots)
+            cache.save_states(step.state_slots)
             step.keep = []
         logits, normed = e.model.forward(e.be, ids, step, rows, normed=True)
-        return self._picks(logits, seqs, spans).tolist(), normed, step.keep
+        return self._picks(logits, seqs, spans).tolist(), normed, step.keep, None
 
     def _picks(self, logits, seqs, spans) -> torch.Tensor:
         """The target's token at every verify row: row i of a lane is drawn as plain decoding draws the lane's
@@ -200,7 +211,7 @@ class MtpSpeculator:
     def _draft(self, seqs, last: torch.Tensor) -> None:
         """Each sequence's drafts for its next round, from the MTP output of its last kept pair (rows of `last`):
         one argmax over the shared lm_head, then one MTP step per further draft."""
-        e = self.engine
+        e, lanes = self.engine, seqs
         budget = [self._budget(s) for s in seqs]
         for j in range(max(budget)):
             ids = torch.empty(last.shape[0], dtype=torch.int32, device=e.device)
@@ -215,6 +226,10 @@ class MtpSpeculator:
             # pair (the previous output, draft j) at the position after the last one (the draft's own position - 1)
             n = [len(s.tokens) + j for s in seqs]
             last = self._mtp(seqs, [(p - 1, p) for p in n], last)
+        self._proposed(lanes)
+
+    def _proposed(self, seqs) -> None:
+        """The sequences' drafts for their next round are set (drafts_from hooks in here)."""
 
     def _budget(self, seq) -> int:
         """Drafts a sequence's next round may verify: a round commits up to that many + 1 tokens, within max_new and
@@ -233,18 +248,18 @@ def drafts_from(known: dict, alter=None):
     continuation), after the MTP layer ran (its cost, its KV), changed by alter(drafts) where given. Random weights
     reject the MTP layer's own drafts: this is how ninfer-bench spec measures rounds whose drafts hold, and how the
     tests drive acceptance and rollback."""
-    real = MtpSpeculator._draft
+    real = MtpSpeculator._proposed
 
-    def draft(self, seqs, last):
-        real(self, seqs, last)
+    def proposed(self, seqs):
+        real(self, seqs)
         for s in seqs:
             full = known.get(tuple(s.prompt))
             if full is not None:
                 s.drafts = list(full[len(s.tokens):len(s.tokens) + len(s.drafts)])
                 if alter is not None:
                     alter(s.drafts)
-    MtpSpeculator._draft = draft
+    MtpSpeculator._proposed = proposed
     try:
         yield
     finally:
-        MtpSpeculator._draft = real
+        MtpSpeculator._proposed = real

@@ -1,12 +1,15 @@
-"""A speculative round's verify step over static buffers: on the GPU captured once per batch size as a CUDA graph
-and replayed (its several hundred launches as one), elsewhere run as it is.
+"""A speculative round over static buffers: on the GPU captured once per batch size as a CUDA graph and replayed (its
+several hundred launches as one), elsewhere run as it is.
 
 It serves the rounds whose every lane is greedy without penalties and verifies the full K drafts (the common case;
-others run op by op). A round fills the buffers with one pinned host-to-device copy per dtype (the lanes' last
-tokens and drafts, positions, KV slots, state slots, page tables), replays, and reads back the argmax of every row.
-The final-normed hidden (what the MTP layer reads) and the inputs each GDN layer recorded (what a rollback re-runs)
-stay in the graph's own buffers until the next replay. Before advancing the GDN states the step copies them aside
-(SequenceCache.save_states) inside the graph too.
+others run op by op). A round fills the buffers with one pinned host-to-device copy (the lanes' last tokens and
+drafts, positions, KV slots, state slots, page tables), replays, and reads back the argmax of every row and the next
+round's drafts. Inside: the GDN states copied aside (SequenceCache.save_states), the verify forward, the argmax of
+every row, the drafts each lane keeps (counted on the device), the MTP layer over every row's pair (the row's
+final-normed hidden, the target's token at the row: for the kept rows exactly the committed tokens; the rows after
+them write MTP KV at positions the next round rewrites before reading), its output at each lane's last kept row, and
+K argmaxes with K - 1 MTP steps between them at positions from the device. The final-normed hidden and the inputs
+each GDN layer recorded (what a rollback re-runs) stay in the step's buffers until the next replay.
 """
 from __future__ import annotations
 
@@ -38,6 +41,9 @@ class VerifyStep:
         self.query_start = torch.arange(0, T + 1, length, dtype=torch.int32, device=dev)
         self.rows = torch.arange(T, dtype=torch.int32, device=dev)
         self.out = torch.empty(T, dtype=torch.int32, device=dev)
+        self.drafts = torch.empty(length - 1, b, dtype=torch.int32, device=dev)   # draft j of every lane: row j
+        self.lanes = torch.arange(b, dtype=torch.int32, device=dev)
+        self.lane_qs = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.normed, self.keep = None, None
         self.graph = None
         if graph:   # warm-up and capture write nothing real: no KV (slot -1), GDN state in the scratch slot
@@ -46,18 +52,35 @@ class VerifyStep:
             self.graph = capture(self._body)
 
     def _body(self) -> None:
-        e = self.engine
+        e, b, L = self.engine, self.b, self.length
         self.keep = []
         step = Step(positions=self.f["positions"], token_seq=self.token_seq, query_start=self.query_start,
                     slot_mapping=self.f["slot_mapping"], block_table=self.block_table, state_slots=self.state_slots,
-                    decode=self.length == 1, keep=self.keep)
+                    decode=L == 1, keep=self.keep)
         e.cache.save_states(self.state_slots)
         logits, self.normed = e.model.forward(e.be, self.f["ids"], step, self.rows, normed=True)
         e.be.run("argmax", logits=logits, ids=self.out, domain=e.domain)
+        # drafts accepted per lane: the leading drafts equal to the target's token at the row before them
+        t, fed = self.out.view(b, L), self.f["ids"].view(b, L)
+        n = (fed[:, 1:] == t[:, :-1]).int().cumprod(1).sum(1)
+        last = e.model.mtp(e.be, self.out, self.normed, step).index_select(0, self.lanes * L + n)
+        p = self.f["positions"].view(b, L)[:, 0] + n                 # each lane's last kept row's position
+        real = self.f["slot_mapping"].view(b, L)[:, 0] >= 0          # (warm-up and capture write no KV)
+        ps = e.cache.page_size
+        for j in range(L - 1):
+            e.be.run("argmax", logits=e.model.logits(e.be, last), ids=self.drafts[j], domain=e.domain)
+            if j == L - 2:
+                break
+            pos = p + 1 + j   # pair (the previous output, draft j) one position on
+            page = self.block_table.gather(1, (pos // ps).unsqueeze(1).long()).squeeze(1)
+            mstep = Step(positions=pos.int(), token_seq=self.lanes, query_start=self.lane_qs,
+                         slot_mapping=torch.where(real, page * ps + pos % ps, -1).int(), block_table=self.block_table,
+                         state_slots=self.state_slots, decode=True)
+            last = e.model.mtp(e.be, self.drafts[j], last, mstep)
 
-    def run(self, seqs) -> list[int]:
-        """Verify each sequence's last token and its drafts (all `length` - 1 of them, pages already grown): the
-        argmax of every row, lane by lane."""
+    def run(self, seqs) -> tuple[list[int], list[list[int]]]:
+        """A round for these sequences (all `length` - 1 drafts each; pages grown to cover the positions up to
+        len(tokens) + 2 (length - 1) - 2): the argmax of every row, lane by lane, and each lane's next drafts."""
         ps, L, h = self.engine.cache.page_size, self.length, self.host.numpy()
         table = h[len(_FIELDS) * self.stride + -(-self.b // 4) * 4:].reshape(self.b, self.width)
         table[:] = 0
@@ -76,4 +99,6 @@ class VerifyStep:
             self.graph.replay()
         else:
             self._body()
-        return self.out.tolist()
+        got = torch.cat([self.out, self.drafts.t().reshape(-1)]).tolist()
+        T = self.b * L
+        return got[:T], [got[T + r * (L - 1):T + (r + 1) * (L - 1)] for r in range(self.b)]

@@ -76,13 +76,14 @@ def test_greedy_agrees_with_plain_decoding(engines, kind, k):
     got = [s.generated for s in spec.generate(ps, max_new=40)]
     agree_up_to_near_ties(plain, ps, got, want)
     assert spec.spec.stats["num_draft_tokens"] > 0 and spec.cache.in_use == (0, 0)
-    assert spec.spec.verify[len(ps)].graph is not None   # the full-draft rounds replayed a captured verify step
+    assert spec.spec.verify[len(ps)].graph is not None   # the full-draft rounds replayed a captured round
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_captured_verify_step_equals_its_launches(engines, kind):
-    """The verify step replayed from its CUDA graph against the same step launched op by op (cuda_graphs off): the
-    same kernels on the same inputs, so the same tokens (up to near-ties, should a kernel reduce in another order)."""
+    """The round replayed from its CUDA graph against the same VerifyStep launched op by op (cuda_graphs off): the
+    same kernels on the same inputs, so the same tokens (up to near-ties, should a kernel reduce in another order)
+    and the same drafts where the tokens agree."""
     ps = prompts(seed=4)
     eager = engines(kind, 3, cuda_graphs=False)
     want = [s.generated for s in eager.generate(ps, max_new=32)]

@@ -59,7 +59,7 @@ def plain(art, ps, max_new, **kw):
                                       ("moe_fused", "Qwen3_5MoeForCausalLM")])
 def test_mtp_layer_matches_transformers(kinds, kind, cls):
     """Our MTP layer over a prompt's pairs (h_t, token t+1) = MtpModel.forward_layer (positions t for both), and its
-    last row's argmax is the first draft; the next draft step likewise."""
+    last row's argmax is the first draft; the next two draft steps likewise."""
     import transformers
     from safetensors.torch import load_file
     from transformers.cache_utils import MtpCache
@@ -104,8 +104,10 @@ def test_mtp_layer_matches_transformers(kinds, kind, cls):
         # the next draft step pairs that output with the draft, one position on, over the same MTP cache
         ref2 = mtp.forward_layer(0, ref[:, -1:], torch.tensor([[n]]), cache, input_ids=torch.tensor([[first]]))
         second = int(main.lm_head(ref2[0, -1]).argmax())
-    assert compare(got[0], ref[0], PRESET).ok and compare(got[1], ref2[0], PRESET).ok
-    assert seq.drafts[:2] == [first, second] and len(seq.drafts) == 3
+        ref3 = mtp.forward_layer(0, ref2[:, -1:], torch.tensor([[n + 1]]), cache, input_ids=torch.tensor([[second]]))
+        third = int(main.lm_head(ref3[0, -1]).argmax())
+    assert all(compare(g, r[0], PRESET).ok for g, r in zip(got, (ref, ref2, ref3)))
+    assert seq.drafts == [first, second, third]
     eng.release(seq)
 
 
@@ -120,6 +122,24 @@ def test_greedy_identical_to_plain_decoding(kinds, kind, k):
     assert st["num_drafts"] > 0 and st["num_draft_tokens"] > st["num_drafts"] * (k > 1)
     assert 3 in eng.spec.verify   # rounds of full drafts ran the static verify step
     assert eng.cache.in_use == (0, 0)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_static_round_drafts_what_the_op_by_op_round_drafts(kinds, kind):
+    """The VerifyStep round (verify, acceptance count and MTP steps over static buffers, the GPU's CUDA graph)
+    against the op-by-op round: the same tokens and, round by round, the same drafts for every lane."""
+    _, art = kinds(kind)
+    ps = prompts(9, 17, 4, seed=6)
+    logs = {}
+    for static in (True, False):
+        eng = engine(art)
+        eng.spec.static = static
+        log = logs[static] = []
+        eng.spec._proposed = lambda seqs, log=log: log.extend((tuple(s.prompt), len(s.tokens), list(s.drafts))
+                                                               for s in seqs)
+        log.append([s.generated for s in eng.generate(ps, max_new=24)])
+        assert bool(eng.spec.verify) == static and eng.cache.in_use == (0, 0)
+    assert len(logs[True]) > 20 and logs[True] == logs[False]
 
 
 def wrong(at):
