@@ -149,10 +149,13 @@ class MtpSpeculator:
         step made them (else None)). A VerifyStep (replayed) when every lane is greedy without penalties and has all K
         drafts and its draft steps' positions fit, else op by op."""
         e, cache = self.engine, self.engine.cache
-        reach = [len(s.tokens) + 2 * self.k - 1 for s in seqs]   # the positions the step's draft steps write, + 1
+        # the positions the step's draft steps write, + 1: within what the lane may ever hold (prompt + max_new, the
+        # pages a scheduler reserves for it), so near its end a lane's rounds run op by op
+        reach = [len(s.tokens) + 2 * self.k - 1 for s in seqs]
         if self.static and all(
                 len(s.drafts) == self.k and s.sampling.temperature <= 0 and not s.sampling.presence_penalty
-                and not s.sampling.frequency_penalty and r <= cache.max_context for s, r in zip(seqs, reach)) \
+                and not s.sampling.frequency_penalty and r <= min(len(s.prompt) + s.max_new, cache.max_context)
+                for s, r in zip(seqs, reach)) \
                 and sum(max(0, -(-r // cache.page_size) - len(s.pages)) for s, r in zip(seqs, reach)) \
                 <= cache.available_pages:
             for s, r in zip(seqs, reach):
