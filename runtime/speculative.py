@@ -15,8 +15,8 @@ MTP layer reads (the target's final-normed hidden h_t, token t+1) for each kept 
 its last row drafts the next round's first token; K - 1 further MTP steps each pair the previous MTP output with the
 draft it chose. Prefill runs the MTP layer over every prompt chunk too (its KV at every prompt position).
 
-A round whose lanes are all greedy without penalties and verify all K drafts is a CUDA-graph replay (verify_graph.py:
-verify, acceptance count, MTP steps); its rollback (when a draft was rejected) and other rounds are launched op by op.
+A round whose lanes have no penalties and verify all K drafts is a CUDA-graph replay (verify_graph.py: verify, the
+draws, acceptance count, MTP steps); its rollback (when a draft was rejected) and other rounds are launched op by op.
 """
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ class MtpSpeculator:
         self.accepted_per_pos = [0] * self.k
         self.verify: dict[int, VerifyStep] = {}   # per batch size, made on first use
         self.static = True   # rounds that can use a VerifyStep do (False: every round op by op; A/B and tests)
+        self._zero_counts = None   # the VerifySteps' penalty counts (never read: no penalties there), made once
 
     # -- prefill ---------------------------------------------------------------------------------
     def after_prefill(self, seq, a: int, b: int, normed: torch.Tensor) -> None:
@@ -146,15 +147,15 @@ class MtpSpeculator:
     def _verify(self, seqs, spans):
         """Run the verify step: (the target's token at every row, the final-normed hidden of every row, the GDN
         layers' recorded inputs (None when no lane has drafts: nothing to roll back), each lane's next drafts when the
-        step made them (else None)). A VerifyStep (replayed) when every lane is greedy without penalties and has all K
-        drafts and its draft steps' positions fit, else op by op."""
+        step made them (else None)). A VerifyStep (replayed) when no lane has penalties, every lane has all K drafts
+        and its draft steps' positions fit, else op by op."""
         e, cache = self.engine, self.engine.cache
         # the positions the step's draft steps write, + 1: within what the lane may ever hold (prompt + max_new, the
         # pages a scheduler reserves for it), so near its end a lane's rounds run op by op
         reach = [len(s.tokens) + 2 * self.k - 1 for s in seqs]
         if self.static and all(
-                len(s.drafts) == self.k and s.sampling.temperature <= 0 and not s.sampling.presence_penalty
-                and not s.sampling.frequency_penalty and r <= min(len(s.prompt) + s.max_new, cache.max_context)
+                len(s.drafts) == self.k and not s.sampling.presence_penalty and not s.sampling.frequency_penalty
+                and r <= min(len(s.prompt) + s.max_new, cache.max_context)
                 for s, r in zip(seqs, reach)) \
                 and sum(max(0, -(-r // cache.page_size) - len(s.pages)) for s, r in zip(seqs, reach)) \
                 <= cache.available_pages:
@@ -162,7 +163,11 @@ class MtpSpeculator:
                 cache.grow(s.pages, r)
             vs = self.verify.get(len(seqs))
             if vs is None:
-                vs = self.verify[len(seqs)] = VerifyStep(e, len(seqs), self.k + 1, graph=e.graphs is not None)
+                if self._zero_counts is None:
+                    self._zero_counts = torch.zeros(cache.max_seqs * (self.k + 1), e.cfg.vocab, dtype=torch.int32,
+                                                    device=e.device)
+                vs = self.verify[len(seqs)] = VerifyStep(e, len(seqs), self.k + 1, e.graphs is not None,
+                                                         self._zero_counts)
             target, drafts = vs.run(seqs)
             return target, vs.normed, vs.keep, drafts
         ids, step, rows = e._inputs(seqs, spans, all_rows=True)

@@ -1,11 +1,12 @@
 """A speculative round over static buffers: on the GPU captured once per batch size as a CUDA graph and replayed (its
 several hundred launches as one), elsewhere run as it is.
 
-It serves the rounds whose every lane is greedy without penalties and verifies the full K drafts (the common case;
-others run op by op). A round fills the buffers with one pinned host-to-device copy (the lanes' last tokens and
-drafts, positions, KV slots, state slots, page tables), replays, and reads back the argmax of every row and the next
-round's drafts. Inside: the GDN states copied aside (SequenceCache.save_states), the verify forward, the argmax of
-every row, the drafts each lane keeps (counted on the device), the MTP layer over every row's pair (the row's
+It serves the rounds whose every lane is without penalties and verifies the full K drafts (the common case; others
+run op by op). A round fills the buffers with two pinned host-to-device copies (the lanes' last tokens and drafts,
+positions, KV slots, each row's sampling parameters and counter, state slots, page tables), replays, and reads back
+the target's token at every row and the next round's drafts. Inside: the GDN states copied aside
+(SequenceCache.save_states), the verify forward, every row's token drawn by the sample op (argmax at temperature 0;
+no penalties, so it reads no counts), the drafts each lane keeps (counted on the device), the MTP layer over every row's pair (the row's
 final-normed hidden, the target's token at the row: for the kept rows exactly the committed tokens; the rows after
 them write MTP KV at positions the next round rewrites before reading), its output at each lane's last kept row, and
 K argmaxes with K - 1 MTP steps between them at positions from the device. The final-normed hidden and the inputs
@@ -18,11 +19,15 @@ import torch
 from .decode_graph import capture
 from .models.blocks import Step
 
-_FIELDS = ("ids", "positions", "slot_mapping")   # one per row; then state_slots [b], then the [b, width] page table
+# one per row; then state_slots [b], then the [b, width] page table
+_FIELDS = ("ids", "positions", "slot_mapping", "top_k", "seed", "counter")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "zero")   # zero: the presence and frequency penalties
 
 
 class VerifyStep:
-    def __init__(self, engine, b: int, length: int, graph: bool):
+    def __init__(self, engine, b: int, length: int, graph: bool, counts: torch.Tensor):
+        """counts: a zero [>= b * length, V] int32 tensor (the sample op's penalty counts, which it does not read
+        without penalties), shared by the steps."""
         dev, cache = engine.device, engine.cache
         self.engine, self.b, self.length = engine, b, length
         T = b * length
@@ -30,10 +35,13 @@ class VerifyStep:
         self.stride = stride = -(-T // 4) * 4   # each field starts on a 16-byte boundary (vector loads)
         sizes = len(_FIELDS) * stride + -(-b // 4) * 4 + b * self.width
         self.ints = torch.zeros(sizes, dtype=torch.int32, device=dev)
-        self.host = torch.zeros_like(self.ints, device="cpu")
+        self.floats = torch.zeros(len(_FLOAT_FIELDS) * stride, dtype=torch.float32, device=dev)
+        self.host, self.host_floats = torch.zeros_like(self.ints, device="cpu"), torch.zeros_like(self.floats, device="cpu")
         if dev.type == "cuda":
-            self.host = self.host.pin_memory()
+            self.host, self.host_floats = self.host.pin_memory(), self.host_floats.pin_memory()
         self.f = {n: self.ints[i * stride:i * stride + T] for i, n in enumerate(_FIELDS)}
+        self.f |= {n: self.floats[i * stride:i * stride + T] for i, n in enumerate(_FLOAT_FIELDS)}
+        self.counts = counts[:T]
         base = len(_FIELDS) * stride
         self.state_slots = self.ints[base:base + b]
         self.block_table = self.ints[base + -(-b // 4) * 4:].view(b, self.width)
@@ -49,6 +57,7 @@ class VerifyStep:
         if graph:   # warm-up and capture write nothing real: no KV (slot -1), GDN state in the scratch slot
             self.f["slot_mapping"].fill_(-1)
             self.state_slots.fill_(cache.max_seqs)
+            self.f["top_p"].fill_(1.0)
             self.graph = capture(self._body)
 
     def _body(self) -> None:
@@ -59,7 +68,10 @@ class VerifyStep:
                     decode=L == 1, keep=self.keep)
         e.cache.save_states(self.state_slots)
         logits, self.normed = e.model.forward(e.be, self.f["ids"], step, self.rows, normed=True)
-        e.be.run("argmax", logits=logits, ids=self.out, domain=e.domain)
+        f = self.f
+        e.be.run("sample", logits=logits, counts=self.counts, temperature=f["temperature"], top_k=f["top_k"],
+                 top_p=f["top_p"], min_p=f["min_p"], presence=f["zero"], frequency=f["zero"], seed=f["seed"],
+                 counter=f["counter"], ids=self.out, domain=e.domain)
         # drafts accepted per lane: the leading drafts equal to the target's token at the row before them
         t, fed = self.out.view(b, L), self.f["ids"].view(b, L)
         n = (fed[:, 1:] == t[:, :-1]).int().cumprod(1).sum(1)
@@ -79,22 +91,30 @@ class VerifyStep:
             last = e.model.mtp(e.be, self.drafts[j], last, mstep)
 
     def run(self, seqs) -> tuple[list[int], list[list[int]]]:
-        """A round for these sequences (all `length` - 1 drafts each; pages grown to cover the positions up to
-        len(tokens) + 2 (length - 1) - 2): the argmax of every row, lane by lane, and each lane's next drafts."""
-        ps, L, h = self.engine.cache.page_size, self.length, self.host.numpy()
-        table = h[len(_FIELDS) * self.stride + -(-self.b // 4) * 4:].reshape(self.b, self.width)
+        """A round for these sequences (all `length` - 1 drafts each, no penalties; pages grown to cover the positions
+        up to len(tokens) + 2 (length - 1) - 2): the target's token at every row, lane by lane (row i drawn with the
+        counter n_generated + i, as plain decoding draws that position), and each lane's next drafts."""
+        ps, L, st, h, hf = self.engine.cache.page_size, self.length, self.stride, self.host.numpy(), self.host_floats.numpy()
+        table = h[len(_FIELDS) * st + -(-self.b // 4) * 4:].reshape(self.b, self.width)
         table[:] = 0
-        base = len(_FIELDS) * self.stride
+        io = {n: i * st for i, n in enumerate(_FIELDS)}
+        fo = {n: i * st for i, n in enumerate(_FLOAT_FIELDS)}
         for r, s in enumerate(seqs):
-            o, p0 = r * L, len(s.tokens) - 1
+            o, p0, sp = r * L, len(s.tokens) - 1, s.sampling
+            rows = slice(o, o + L)
+            pos = range(p0, p0 + L)
             h[o:o + L] = [s.tokens[-1], *s.drafts]
-            for i in range(L):
-                p = p0 + i
-                h[self.stride + o + i] = p
-                h[2 * self.stride + o + i] = s.pages[p // ps] * ps + p % ps
-            h[base + r] = s.slot
+            h[io["positions"] + o:io["positions"] + o + L] = pos
+            h[io["slot_mapping"] + o:io["slot_mapping"] + o + L] = [s.pages[p // ps] * ps + p % ps for p in pos]
+            h[io["top_k"] + o:io["top_k"] + o + L] = sp.top_k
+            h[io["seed"] + o:io["seed"] + o + L] = ((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000   # 32-bit
+            h[io["counter"] + o:io["counter"] + o + L] = range(s.n_generated, s.n_generated + L)
+            for name, v in (("temperature", sp.temperature), ("top_p", sp.top_p), ("min_p", sp.min_p)):
+                hf[fo[name] + rows.start:fo[name] + rows.stop] = v
+            h[len(_FIELDS) * st + r] = s.slot
             table[r, :len(s.pages)] = s.pages
         self.ints.copy_(self.host, non_blocking=True)
+        self.floats.copy_(self.host_floats, non_blocking=True)
         if self.graph is not None:
             self.graph.replay()
         else:

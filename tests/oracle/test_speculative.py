@@ -126,10 +126,14 @@ def test_greedy_identical_to_plain_decoding(kinds, kind, k):
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_static_round_drafts_what_the_op_by_op_round_drafts(kinds, kind):
-    """The VerifyStep round (verify, acceptance count and MTP steps over static buffers, the GPU's CUDA graph)
-    against the op-by-op round: the same tokens and, round by round, the same drafts for every lane."""
+    """The VerifyStep round (verify, draws, acceptance count and MTP steps over static buffers, the GPU's CUDA graph)
+    against the op-by-op round, greedy and seeded sampling lanes: the same tokens (plain decoding's) and, round by
+    round, the same drafts for every lane."""
     _, art = kinds(kind)
     ps = prompts(9, 17, 4, seed=6)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=5),
+              SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=6)]
+    ref = [s.generated for s in engine(art, None).generate(ps, max_new=24, sampling=params)]
     logs = {}
     for static in (True, False):
         eng = engine(art)
@@ -137,9 +141,23 @@ def test_static_round_drafts_what_the_op_by_op_round_drafts(kinds, kind):
         log = logs[static] = []
         eng.spec._proposed = lambda seqs, log=log: log.extend((tuple(s.prompt), len(s.tokens), list(s.drafts))
                                                                for s in seqs)
-        log.append([s.generated for s in eng.generate(ps, max_new=24)])
+        assert [s.generated for s in eng.generate(ps, max_new=24, sampling=params)] == ref
         assert bool(eng.spec.verify) == static and eng.cache.in_use == (0, 0)
     assert len(logs[True]) > 20 and logs[True] == logs[False]
+
+
+def test_static_round_accepts_sampled_drafts_that_hold(ckpt):
+    """Seeded sampling lanes through the static round with drafts from their plain continuation: every draft equals
+    the draw at its row (the same counter as plain decoding's), so all are accepted and the tokens are plain's."""
+    _, art = ckpt
+    ps = prompts(9, 17, seed=8)
+    params = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=6)]
+    ref = [s.generated for s in engine(art, None).generate(ps, max_new=30, sampling=params)]
+    eng = engine(art)
+    with drafts_from(known(ps, ref)):
+        assert [s.generated for s in eng.generate(ps, max_new=30, sampling=params)] == ref
+    st = eng.spec.stats
+    assert 2 in eng.spec.verify and st["num_accepted_tokens"] == st["num_draft_tokens"] > 20
 
 
 def wrong(at):
