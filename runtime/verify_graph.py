@@ -25,6 +25,8 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "zero")   # zero: the presence
 
 
 class VerifyStep:
+    """The static round of b lanes of `length` = K + 1 tokens (see the module docstring)."""
+
     def __init__(self, engine, b: int, length: int, graph: bool, counts: torch.Tensor):
         """counts: a zero [>= b * length, V] int32 tensor (the sample op's penalty counts, which it does not read
         without penalties), shared by the steps."""
@@ -101,7 +103,6 @@ class VerifyStep:
         fo = {n: i * st for i, n in enumerate(_FLOAT_FIELDS)}
         for r, s in enumerate(seqs):
             o, p0, sp = r * L, len(s.tokens) - 1, s.sampling
-            rows = slice(o, o + L)
             pos = range(p0, p0 + L)
             h[o:o + L] = [s.tokens[-1], *s.drafts]
             h[io["positions"] + o:io["positions"] + o + L] = pos
@@ -110,7 +111,7 @@ class VerifyStep:
             h[io["seed"] + o:io["seed"] + o + L] = ((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000   # 32-bit
             h[io["counter"] + o:io["counter"] + o + L] = range(s.n_generated, s.n_generated + L)
             for name, v in (("temperature", sp.temperature), ("top_p", sp.top_p), ("min_p", sp.min_p)):
-                hf[fo[name] + rows.start:fo[name] + rows.stop] = v
+                hf[fo[name] + o:fo[name] + o + L] = v
             h[len(_FIELDS) * st + r] = s.slot
             table[r, :len(s.pages)] = s.pages
         self.ints.copy_(self.host, non_blocking=True)
