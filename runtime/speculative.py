@@ -16,7 +16,8 @@ its last row drafts the next round's first token; K - 1 further MTP steps each p
 draft it chose. Prefill runs the MTP layer over every prompt chunk too (its KV at every prompt position).
 
 A round whose lanes have no penalties and verify all K drafts is a CUDA-graph replay (verify_graph.py: verify, the
-draws, acceptance count, MTP steps); its rollback (when a draft was rejected) and other rounds are launched op by op.
+draws, acceptance count, rollback, MTP steps); other rounds, and a lane that finishes inside a round (kept fewer
+tokens than it accepted), are launched op by op.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ class MtpSpeculator:
             seq.drafts = seq.drafts[:self._budget(seq)]
         spans = [(len(s.tokens) - 1, len(s.tokens) + len(s.drafts)) for s in seqs]
         target, normed, keep, proposed = self._verify(seqs, spans)
-        kept, o, committed = [], 0, []
+        kept, ran, o, committed = [], [], 0, []
         for seq, (a, b) in zip(seqs, spans):
             drafts, t = seq.drafts, target[o:o + b - a]
             n = 0
@@ -122,13 +123,15 @@ class MtpSpeculator:
                 if seq.finish_reason is not None:
                     break
             kept.append(m)
+            # the tokens the lane's GDN state has now run: all of the step's, or (a static round's rollback) n + 1
+            ran.append(n + 1 if proposed is not None else b - a)
             seq.drafts = []
             o += b - a
         slots, toks = zip(*committed)   # the penalties' counts, as plain decoding adds them
         count_tokens(e._counts, torch.tensor(slots, dtype=torch.int32, device=e.device),
                      torch.tensor(toks, dtype=torch.int32, device=e.device))
         if keep is not None:
-            self._roll_back(seqs, spans, kept, keep)
+            self._roll_back(seqs, spans, kept, ran, keep)
         live = [(i, s) for i, s in enumerate(seqs) if s.finish_reason is None and self._budget(s) > 0]
         if live and proposed is not None:   # drafted inside the verify step, from each lane's last kept row
             for i, s in live:
@@ -193,10 +196,10 @@ class MtpSpeculator:
                                   torch.ones(len(at), dtype=counts.dtype, device=e.device), accumulate=True)
         return e._choose(logits, [s for s, _ in rows], [s.n_generated + i for s, i in rows], counts)
 
-    def _roll_back(self, seqs, spans, kept, keep) -> None:
-        """Lanes that kept fewer tokens than the verify step ran: their saved GDN states back, then the kept
-        tokens' conv and delta rule again (from the inputs the step recorded in `keep`)."""
-        short = [i for i, ((a, b), m) in enumerate(zip(spans, kept)) if m < b - a]
+    def _roll_back(self, seqs, spans, kept, ran, keep) -> None:
+        """Lanes that kept fewer tokens than their GDN state ran: their saved GDN states back, then the kept tokens'
+        conv and delta rule again (from the inputs the step recorded in `keep`)."""
+        short = [i for i, (m, r) in enumerate(zip(kept, ran)) if m < r]
         if not short:
             return
         e = self.engine

@@ -6,7 +6,8 @@ run op by op). A round fills the buffers with two pinned host-to-device copies (
 positions, KV slots, each row's sampling parameters and counter, state slots, page tables), replays, and reads back
 the target's token at every row and the next round's drafts. Inside: the GDN states copied aside
 (SequenceCache.save_states), the verify forward, every row's token drawn by the sample op (argmax at temperature 0;
-no penalties, so it reads no counts), the drafts each lane keeps (counted on the device), the MTP layer over every row's pair (the row's
+no penalties, so it reads no counts), the drafts each lane keeps (counted on the device), the GDN states put back and
+advanced over the kept rows (GatedDeltaNet.replay with masked gates: every lane, every round), the MTP layer over every row's pair (the row's
 final-normed hidden, the target's token at the row: for the kept rows exactly the committed tokens; the rows after
 them write MTP KV at positions the next round rewrites before reading), its output at each lane's last kept row, and
 K argmaxes with K - 1 MTP steps between them at positions from the device. The final-normed hidden and the inputs
@@ -77,6 +78,11 @@ class VerifyStep:
         # drafts accepted per lane: the leading drafts equal to the target's token at the row before them
         t, fed = self.out.view(b, L), self.f["ids"].view(b, L)
         n = (fed[:, 1:] == t[:, :-1]).int().cumprod(1).sum(1)
+        # each lane's GDN states back to before the step, then advanced over the n + 1 rows it keeps (a lane that
+        # finishes inside the round keeps fewer: the engine fixes it up op by op)
+        e.cache.restore_states(self.state_slots)
+        for mixer, mixed, g, beta in self.keep:
+            mixer.replay(e.be, mixed, g, beta, self.query_start, self.state_slots, kept=n + 1)
         last = e.model.mtp(e.be, self.out, self.normed, step).index_select(0, self.lanes * L + n)
         p = self.f["positions"].view(b, L)[:, 0] + n                 # each lane's last kept row's position
         real = self.f["slot_mapping"].view(b, L)[:, 0] >= 0          # (warm-up and capture write no KV)

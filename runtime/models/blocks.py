@@ -332,12 +332,26 @@ class GatedDeltaNet:
                num_k_heads=c.k_heads, scale=c.k_dim ** -0.5)
         return o
 
-    def replay(self, be, mixed, g, beta, query_start, slots) -> None:
+    def replay(self, be, mixed, g, beta, query_start, slots, kept: torch.Tensor | None = None) -> None:
         """Advance the states of lanes `slots` over tokens a verify step kept (Step.keep: the conv input and gates of
-        each), from the states saved before it: conv and delta rule again, outputs dropped."""
+        each), from the states saved before it: conv and delta rule again, outputs dropped. With `kept` (each lane's
+        count, on the device) the rows are all the step's, the same count for every lane (static shapes: a CUDA
+        graph): rows past a lane's count leave its recurrent state as it is (g = 0, beta = 0: S = 1·S + k ⊗ 0), and
+        its conv state is taken from the window at the kept rows."""
         qkv = torch.empty_like(mixed)
+        if kept is not None:
+            b, L = kept.shape[0], mixed.shape[0] // kept.shape[0]
+            live = (torch.arange(L, device=kept.device)[None, :] < kept[:, None]).reshape(-1, 1)
+            g, beta = torch.where(live, g, 0.0), torch.where(live, beta, 0.0)
+            w = self.conv_state.shape[2]   # the conv state holds the last w inputs, newest last
+            window = torch.cat([self.conv_state.index_select(0, slots.long()).transpose(1, 2),
+                                mixed.view(b, L, -1)], 1)
+            at = (kept[:, None] + torch.arange(w, device=kept.device)[None, :]).long()
+            conv = window.gather(1, at[:, :, None].expand(-1, -1, window.shape[2])).transpose(1, 2)
         be.run("gdn_conv", x=mixed, w=self.conv, query_start=query_start, slots=slots, conv_state=self.conv_state,
                y=qkv)
+        if kept is not None:
+            self.conv_state.index_copy_(0, slots.long(), conv.contiguous())
         self._delta_rule(be, qkv, g, beta, query_start, slots)
 
     def decode(self, be, x, step: Step):
