@@ -1,8 +1,9 @@
-"""`ninfer-bench spec`: MTP speculative decoding at a real shape with synthetic weights, against plain decoding in
-the same run.
+"""`ninfer-bench spec`: speculative decoding (MTP or n-gram drafts) at a real shape with synthetic weights, against
+plain decoding in the same run.
 
 Random weights make a random MTP layer: its drafts are rejected, so a round then commits one token (the worst case,
-the verify step's and the MTP layer's cost on top of a decode step). To measure rounds whose drafts are accepted,
+the verify step's and the MTP layer's cost on top of a decode step); n-gram drafts of random prompts are mostly
+none or wrong, likewise. To measure rounds whose drafts are accepted,
 the same prompts run again with the drafts taken from the tokens the first pass produced (the known continuation):
 a round then commits up to K + 1 tokens (the best case). Real weights land in between (NInfer reports 72-89 %
 acceptance with three drafts). Each figure: the median of per-call times (a call ends on its tokens' copy to the
@@ -53,8 +54,8 @@ def _spec_rows(eng, prompts, rounds: int, known: dict | None, sync) -> dict:
 
 def bench_spec(cfg, eng, concurrency: list[int], decode_prompt: int, rounds: int, k: int, fmt: str,
                copy_gbs: float | None, sync=lambda: None, echo=click.echo) -> list[dict]:
-    """For each concurrency: plain decode (the engine's own path: CUDA graphs on the GPU), MTP rounds with the MTP
-    layer's drafts, MTP rounds with the known continuation's drafts."""
+    """For each concurrency: plain decode (the engine's own path: CUDA graphs on the GPU), rounds with the method's own
+    drafts, rounds with the known continuation's drafts."""
     import torch
 
     from ninfer.cli.bench import decode_step_bytes, model_figures
@@ -71,7 +72,7 @@ def bench_spec(cfg, eng, concurrency: list[int], decode_prompt: int, rounds: int
         own = _spec_rows(eng, prompts, rounds * (k + 1) + 2, None, sync)   # also the continuation for the next pass
         injected = _spec_rows(eng, prompts, rounds, own["tokens"], sync)
         nbytes = decode_step_bytes(cfg, fig, c, decode_prompt)
-        for name, r in (("plain", plain), ("mtp drafts", own), ("known drafts", injected)):
+        for name, r in (("plain", plain), (f"{eng.spec.config.method} drafts", own), ("known drafts", injected)):
             frac = nbytes / r["call_s"] / (copy_gbs * 1e9) if copy_gbs else None
             row = {"concurrency": c, "mode": name, "num_speculative_tokens": 0 if name == "plain" else k,
                    "tok_s": r["tok_s"], "call_ms": r["call_s"] * 1e3, "tokens_per_call": r["tokens_per_call"],
@@ -81,8 +82,8 @@ def bench_spec(cfg, eng, concurrency: list[int], decode_prompt: int, rounds: int
             roof = "" if frac is None else f", {100 * frac:5.1f} % of the bandwidth roofline of a decode step per call"
             echo(f"C={c} {name:>12}: {row['tok_s']:>8,.1f} tok/s ({row['call_ms']:6.2f} ms a call median, "
                  f"{row['tokens_per_call']:.2f} tokens a call{acc}{roof})")
-        echo(f"C={c}: MTP with K={k} against plain: {own['tok_s'] / plain['tok_s']:.2f}x with the MTP layer's "
-             f"(random) drafts, {injected['tok_s'] / plain['tok_s']:.2f}x with drafts that hold")
+        echo(f"C={c}: {eng.spec.config.method} with K={k} against plain: {own['tok_s'] / plain['tok_s']:.2f}x with its "
+             f"own drafts (random weights), {injected['tok_s'] / plain['tok_s']:.2f}x with drafts that hold")
     return rows
 
 
@@ -90,13 +91,15 @@ def bench_spec(cfg, eng, concurrency: list[int], decode_prompt: int, rounds: int
 @click.option("--shape", type=click.Choice(["qwen3.6-27b", "qwen3.6-35b-a3b"]), default="qwen3.6-27b", show_default=True)
 @click.option("--weights", "fmt", type=click.Choice(["bf16", "q4", "q5", "q6", "w8", "fp8", "recipe"]), default="q4",
               show_default=True, help="format of the quantizable matrices, the MTP layer's too (random packed bytes)")
+@click.option("--method", type=click.Choice(["mtp", "ngram"]), default="mtp", show_default=True,
+              help="where drafts come from: the MTP layer (synthetic weights, included) or prompt lookup")
 @click.option("--num-speculative-tokens", "k", type=click.IntRange(1, 8), default=3, show_default=True)
 @click.option("--concurrency", default="1,8", show_default=True)
 @click.option("--decode-prompt", default=8192, show_default=True, help="context before the decode measurement")
 @click.option("--rounds", type=click.IntRange(1), default=16, show_default=True, help="timed decode calls per mode")
 @click.option("--json", "json_out", type=click.Path())
-def spec_cmd(shape, fmt, k, concurrency, decode_prompt, rounds, json_out) -> None:
-    """MTP speculative decoding against plain decoding (synthetic weights: drafts rejected, then injected)."""
+def spec_cmd(shape, fmt, method, k, concurrency, decode_prompt, rounds, json_out) -> None:
+    """Speculative decoding against plain decoding (synthetic weights: drafts rejected, then injected)."""
     import json
 
     from ninfer.runtime.cuda import gpu_available
@@ -111,14 +114,14 @@ def spec_cmd(shape, fmt, k, concurrency, decode_prompt, rounds, json_out) -> Non
     from ninfer.runtime.synthetic import SHAPES, TOKEN_DOMAIN, random_weights
     cfg, levels = SHAPES[shape], [int(x) for x in concurrency.split(",")]
     copy_gbs, _ = measure_ceilings(torch)
-    weights = random_weights(cfg, "cuda", fmt=fmt, mtp=True)
+    weights = random_weights(cfg, "cuda", fmt=fmt, mtp=method == "mtp")
     ctx = decode_prompt + (rounds * (k + 1) + 4) * (k + 1) + 16
     eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
-                              max_seqs=max(levels), speculative=SpeculativeConfig("mtp", k))
-    click.echo(f"# {shape} ({fmt} synthetic weights, MTP layer included) on {eng.be.device.name}; copy "
-               f"{copy_gbs:,.0f} GB/s; context {decode_prompt}; MTP rounds op by op (not in CUDA graphs)")
+                              max_seqs=max(levels), speculative=SpeculativeConfig(method, k))
+    click.echo(f"# {shape} ({fmt} synthetic weights{', MTP layer included' if method == 'mtp' else ''}) on "
+               f"{eng.be.device.name}; copy {copy_gbs:,.0f} GB/s; context {decode_prompt}; {method} drafts, K={k}")
     rows = bench_spec(cfg, eng, levels, decode_prompt, rounds, k, fmt, copy_gbs, torch.cuda.synchronize)
     if json_out:
         with open(json_out, "w") as f:
-            json.dump({"shape": shape, "device": eng.be.device.name, "weights": fmt, "copy_GBps": copy_gbs,
-                       "rows": rows}, f, indent=1)
+            json.dump({"shape": shape, "device": eng.be.device.name, "weights": fmt, "method": method, "k": k,
+                       "copy_GBps": copy_gbs, "rows": rows}, f, indent=1)

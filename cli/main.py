@@ -208,9 +208,9 @@ def memory_report(engine) -> dict:
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="KV cache storage: auto = the model's dtype; fp8 = E4M3 codes (half the bytes; sm_89+ on a GPU).")
 @click.option("--speculative-config", default=None, metavar="JSON",
-              help='Speculative decoding with the checkpoint\'s MTP layer (vLLM\'s form): \'{"method": "mtp", '
-                   '"num_speculative_tokens": 3}\': the same tokens as without it (the same draws with --seed), up '
-                   'to that many + 1 a step.')
+              help='Speculative decoding (vLLM\'s form): \'{"method": "mtp", "num_speculative_tokens": 3}\' (the '
+                   'checkpoint\'s MTP layer drafts) or \'{"method": "ngram", "num_speculative_tokens": 3}\' (prompt '
+                   'lookup): the same tokens as without it (the same draws with --seed), up to that many + 1 a step.')
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, finish reason, timings).")
 def main(artifact, prompt, messages_file, max_new, max_context, prefill_chunk, greedy, temperature, top_k, top_p,
          min_p, presence_penalty, frequency_penalty, seed, stops, stop_token_ids, no_thinking, raw_output,
@@ -345,7 +345,7 @@ def report(seq, out: Output, engine, load_s: float, as_json: bool) -> None:
     click.echo(line, err=True)
     if spec is not None:
         rate = spec["num_accepted_tokens"] / spec["num_draft_tokens"] if spec["num_draft_tokens"] else 0.0
-        click.echo(f"speculative (MTP): {spec['num_drafts']} rounds with drafts, {spec['num_accepted_tokens']} of "
+        click.echo(f"speculative ({engine.spec.config.method}): {spec['num_drafts']} rounds with drafts, {spec['num_accepted_tokens']} of "
                    f"{spec['num_draft_tokens']} drafts accepted ({100 * rate:.0f} %), by position "
                    f"{spec['accepted_per_pos']}", err=True)
 

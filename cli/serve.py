@@ -103,10 +103,12 @@ def shout(text: str) -> None:
                    "caching (a finished prompt's KV pages and GDN states) to or from a file there, e.g. to keep a "
                    "long session across restarts. Off when not given.")
 @click.option("--speculative-config", default=None, metavar="JSON",
-              help='Speculative decoding with the checkpoint\'s MTP layer, as vLLM takes it: \'{"method": "mtp", '
-                   '"num_speculative_tokens": 3}\' (1..8 drafts a round). Each request commits up to that many + 1 '
-                   'tokens a step, exactly the tokens plain decoding gives (the same draws for seeded sampling). '
-                   'Off when not given.')
+              help='Speculative decoding, as vLLM takes it: drafts from the checkpoint\'s MTP layer, \'{"method": '
+                   '"mtp", "num_speculative_tokens": 3}\', or from what followed the sequence\'s last tokens earlier '
+                   'in it (prompt lookup: what code edits repeat), \'{"method": "ngram", "num_speculative_tokens": 3, '
+                   '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; 1..8 drafts a round. Each request commits up '
+                   'to that many + 1 tokens a step, exactly the tokens plain decoding gives (the same draws for '
+                   'seeded sampling). Off when not given.')
 def main(artifact, demo, host, port, api_key, model_id, max_concurrency, max_context, max_pending_requests,
          pending_timeout_ms, max_request_mib, default_max_tokens, request_log_jsonl, request_log_max_mib,
          request_log_keep, tolerant_tool_calls, chat_template, backend, prefill_chunk, prefill_chunk_decoding,
@@ -198,7 +200,8 @@ async def serve(artifact, *, host, port, demo=False, api_key=None, **options) ->
     click.echo(f"ninfer-serve: {state.model_id} on http://{host}:{bound}  (backend {engine.be.name}, "
                f"{engine.cache.max_seqs} lanes, context {state.max_context}, {engine.cache.num_pages} KV pages "
                f"(kv cache {engine.kv_cache_dtype}, prefix caching {'on' if engine.cache.prefix_caching else 'off'}"
-               + (f", MTP speculative decoding with {engine.spec.k} drafts" if engine.spec is not None else "") + "), "
+               + (f", speculative decoding: {engine.spec.config.method}, {engine.spec.k} drafts" if engine.spec else "")
+               + "), "
                f"ready in {time.perf_counter() - t0:.1f} s)", err=True)
     click.echo(f"  OpenAI:    http://{host}:{bound}/v1  (chat/completions, responses, models)\n"
                f"  Anthropic: http://{host}:{bound}  (v1/messages, v1/messages/count_tokens)\n"

@@ -22,12 +22,17 @@ from .kv_dtype import KV_CACHE_DTYPES
 from .models import MODELS
 from .models.blocks import Step, dequant_scratch_bytes, prefill_workspace_bytes
 from .models.config import HybridConfig, parse_config
-from .speculative import MtpSpeculator, SpeculativeConfig
+from .speculative import SpeculativeConfig, Speculator
 from .weights import load_weights
 
 
 class EngineError(ValueError):
     pass
+
+
+def mtp_of(speculative: SpeculativeConfig | None) -> bool:
+    """Whether the engine loads and runs the MTP layer."""
+    return speculative is not None and speculative.method == "mtp"
 
 
 def token_domain(art, vocab: int) -> int:
@@ -84,6 +89,7 @@ class Sequence:
     snapshot_at: int = 0                                 # keep a prefix snapshot of the first this many tokens
     tokens: list[int] = field(default_factory=list)      # prompt + generated
     drafts: list[int] = field(default_factory=list)      # speculative decoding: tokens proposed after `tokens`
+    proposer: object = None                              # its drafter's state for this sequence (an n-gram index)
     finish_reason: str | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -119,7 +125,7 @@ class Engine:
         """packed_weights: keep q4/q5/q6/w8/fp8 matrices packed (the packed ops decode them on the fly).
         Default: on the cuda backend; the reference backend decodes them once at load (its packed ops would
         re-decode every matrix at every step: a CPU demo would crawl).
-        speculative: decode speculatively with the artifact's MTP layer (speculative.py)."""
+        speculative: decode speculatively, drafts from the artifact's MTP layer or n-grams of the sequence (speculative.py)."""
         be = make_backend(backend)
         self.art = open_artifact(artifact_path)
         try:
@@ -128,7 +134,7 @@ class Engine:
             # The reference backend computes in fp32 (the CPU oracle path); the generated kernels in bf16.
             packed = be.name == "cuda" if packed_weights is None else packed_weights
             weights = load_weights(self.art, device, torch.bfloat16 if be.name == "cuda" else torch.float32, packed,
-                                   mtp=speculative is not None)
+                                   mtp=mtp_of(speculative))
             self._setup(be, cfg, weights, token_domain(self.art, cfg.vocab), max_context=max_context,
                         max_seqs=max_seqs, page_size=page_size, prefill_chunk=prefill_chunk,
                         kv_capacity=kv_capacity, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype,
@@ -159,7 +165,8 @@ class Engine:
         prefill_chunk = min(prefill_chunk, max_context)   # no chunk holds more (the memory plan reserves for it)
         if cfg.family not in MODELS:
             raise EngineError(f"no model file for family {cfg.family!r} (have: {', '.join(MODELS)})")
-        if speculative is not None and "mtp.fc" not in weights:
+        mtp = mtp_of(speculative)
+        if mtp and "mtp.fc" not in weights:
             raise EngineError(f"speculative method {speculative.method!r} needs the checkpoint's MTP layer (mtp.*), "
                               f"which this artifact does not carry (convert it without --skip mtp)")
         self.be, self.cfg, self.weights, self.domain = be, cfg, weights, domain
@@ -174,11 +181,11 @@ class Engine:
             raise EngineError(f"kv_cache_dtype {kv_cache_dtype!r} needs {', '.join(missing)}, which have no kernels "
                               f"for this GPU ({be.device.arch}; the E4M3 conversions need sm_89 or newer): use 'auto'")
         num_pages = plan_kv_pages(cfg, self.device, kv_dtype, max_seqs, max_context, page_size, prefill_chunk,
-                                  kv_capacity, scratch, prefix_caching, prefix_snapshots, speculative is not None)
+                                  kv_capacity, scratch, prefix_caching, prefix_snapshots, speculative is not None, mtp)
         self.cache = SequenceCache(cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
                                    device=self.device, dtype=self.dtype, num_pages=num_pages, kv_dtype=kv_dtype,
                                    prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots,
-                                   cache_ram_bytes=cache_ram_bytes, mtp=speculative is not None)
+                                   cache_ram_bytes=cache_ram_bytes, speculative=speculative is not None, mtp=mtp)
         try:
             self.model = MODELS[cfg.family](cfg, weights, self.cache)
         except KeyError as e:
@@ -188,7 +195,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.graphs = DecodeGraphs(self) if be.name == "cuda" and cuda_graphs else None
         self._ahead: _Ahead | None = None   # a decode step queued for the next decode call (_decode_graphs)
-        self.spec = MtpSpeculator(self, speculative) if speculative is not None else None
+        self.spec = Speculator(self, speculative) if speculative is not None else None
 
     # -- steps -----------------------------------------------------------------------------------
     def _step(self, seqs: list[Sequence], spans: list[tuple[int, int]], all_rows: bool = False,
@@ -316,7 +323,7 @@ class Engine:
         normed = None
         if a == n:   # the whole prompt is cached, its last token's logits with it (SequenceCache.take_prefix)
             logits = self.cache.checkpoint_logits[seq.slot:seq.slot + 1].clone()   # a fresh, aligned row
-        elif self.spec is not None:   # the MTP layer reads the chunk's final-normed hidden
+        elif self.spec is not None and self.spec.mtp:   # the MTP layer reads the chunk's final-normed hidden
             logits, normed = self._step([seq], [(a, b)], normed=True)
         else:
             logits = self._step([seq], [(a, b)])
@@ -330,7 +337,7 @@ class Engine:
                 self._accept(seq, self._pick(logits, [seq])[0])
             else:
                 seq.finish_reason = "length"
-        if normed is not None:
+        if self.spec is not None:
             self.spec.after_prefill(seq, a, b, normed)
         seq.prefill_s += time.perf_counter() - t0
         if b == n:

@@ -1,5 +1,8 @@
-"""Speculative decoding with the checkpoint's own MTP layer (vLLM's `--speculative-config '{"method": "mtp",
-"num_speculative_tokens": K}'`, NInfer's `--spec mtp --draft-tokens K`).
+"""Speculative decoding (vLLM's `--speculative-config`): drafts from the checkpoint's own MTP layer
+(`{"method": "mtp", "num_speculative_tokens": K}`, NInfer's `--spec mtp --draft-tokens K`) or from the sequence's own
+tokens (`{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`: the
+tokens that followed the latest earlier occurrence of its last n tokens, as vLLM's n-gram / prompt-lookup proposer;
+what a coding agent's edits repeat).
 
 A round, for every lane: the target runs the lane's last token and its K drafts in one verify step (K + 1 tokens a
 lane) and picks its own token at every row, as plain decoding would there (argmax, or the sample op with the counter
@@ -13,11 +16,12 @@ reads them) and advances each lane's GDN state over all K + 1 tokens: lanes that
 before the step back and re-run the conv and delta rule over the tokens they kept (GatedDeltaNet.replay). Then the
 MTP layer reads (the target's final-normed hidden h_t, token t+1) for each kept token, which extends its own KV, and
 its last row drafts the next round's first token; K - 1 further MTP steps each pair the previous MTP output with the
-draft it chose. Prefill runs the MTP layer over every prompt chunk too (its KV at every prompt position).
+draft it chose. Prefill runs the MTP layer over every prompt chunk too (its KV at every prompt position). N-gram drafts
+come from an index of the sequence's n-grams, updated as tokens are committed.
 
-A round whose lanes have no penalties and verify all K drafts is a CUDA-graph replay (verify_graph.py: verify, the
-draws, acceptance count, rollback, MTP steps); other rounds, and a lane that finishes inside a round (kept fewer
-tokens than it accepted), are launched op by op.
+A round whose lanes have no penalties (and, with MTP, verify all K drafts) is a CUDA-graph replay (verify_graph.py:
+verify, the draws, acceptance count, rollback, MTP steps; fewer n-gram drafts are padded and never accepted); other
+rounds, and a lane that finishes inside a round (kept fewer tokens than it accepted), are launched op by op.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import torch
 from .decode_graph import count_tokens
 from .verify_graph import VerifyStep
 
-METHODS = ("mtp",)
+METHODS = ("mtp", "ngram")
 MAX_SPECULATIVE_TOKENS = 8   # verify steps of up to 8 x 9 tokens stay within the decode-sized routes' reach
 
 
@@ -43,15 +47,25 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     method: str = "mtp"
     num_speculative_tokens: int = 3
+    prompt_lookup_max: int | None = None   # ngram: the longest suffix looked up (default 4)
+    prompt_lookup_min: int | None = None   # ngram: the shortest (default 2)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise SpeculativeConfigError(f"speculative method {self.method!r} is not supported (supported: "
                                          f"{', '.join(METHODS)})")
-        k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise SpeculativeConfigError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
-                                         f"got {k!r}")
+        _count("num_speculative_tokens", self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS)
+        if self.method == "ngram":
+            hi = 4 if self.prompt_lookup_max is None else self.prompt_lookup_max
+            lo = self.prompt_lookup_min
+            if lo is None:
+                lo = min(2, hi) if isinstance(hi, int) else hi
+            _count("prompt_lookup_max", hi, 16)
+            _count("prompt_lookup_min", lo, hi)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+            object.__setattr__(self, "prompt_lookup_min", lo)
+        elif self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+            raise SpeculativeConfigError("prompt_lookup_max / prompt_lookup_min apply to method 'ngram' only")
 
     @classmethod
     def parse(cls, text: str) -> "SpeculativeConfig":
@@ -63,19 +77,47 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise SpeculativeConfigError('--speculative-config must be a JSON object such as '
                                          '{"method": "mtp", "num_speculative_tokens": 3}')
-        unknown = sorted(set(d) - {"method", "num_speculative_tokens"})
+        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+        unknown = sorted(set(d) - set(known))
         if unknown:
-            raise SpeculativeConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: method, "
-                                         f"num_speculative_tokens)")
-        return cls(d.get("method", "mtp"), d.get("num_speculative_tokens", 3))
+            raise SpeculativeConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: "
+                                         f"{', '.join(known)})")
+        return cls(d.get("method", "mtp"), d.get("num_speculative_tokens", 3), d.get("prompt_lookup_max"),
+                   d.get("prompt_lookup_min"))
 
 
-class MtpSpeculator:
+def _count(name: str, v, hi: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+        raise SpeculativeConfigError(f"{name} must be an integer in 1..{hi}, got {v!r}")
+
+
+class NgramIndex:
+    """Where each n-gram (n in lo..hi) of a sequence's tokens last ended, kept up to date as tokens come, so a lookup
+    costs O(hi) a round: drafts = the tokens after the latest earlier occurrence of the longest matching suffix, read
+    on periodically where they reach the end (a run that repeats continues as it repeats)."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi, self.last, self.seen = lo, hi, {}, 0
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        for e in range(self.seen, len(tokens) - 1):   # n-grams ending before the last token (one follows each)
+            for n in range(self.lo, min(self.hi, e + 1) + 1):
+                self.last[tuple(tokens[e + 1 - n:e + 1])] = e
+        self.seen = max(self.seen, len(tokens) - 1)
+        for n in range(min(self.hi, len(tokens)), self.lo - 1, -1):
+            e = self.last.get(tuple(tokens[-n:]))
+            if e is not None:   # what followed it; where that runs into the end, the same period again (a repeat)
+                period = len(tokens) - 1 - e
+                return [tokens[e + 1 + i % period] for i in range(k)]
+        return []
+
+
+class Speculator:
     """The engine's speculative rounds (see the module docstring); counters as vLLM reports them."""
 
     def __init__(self, engine, config: SpeculativeConfig):
         self.engine, self.k = engine, config.num_speculative_tokens
-        self.config = config
+        self.config, self.mtp = config, config.method == "mtp"
         self.stats = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
         self.accepted_per_pos = [0] * self.k
         self.verify: dict[int, VerifyStep] = {}   # per batch size, made on first use
@@ -83,13 +125,19 @@ class MtpSpeculator:
         self._zero_counts = None   # the VerifySteps' penalty counts (never read: no penalties there), made once
 
     # -- prefill ---------------------------------------------------------------------------------
-    def after_prefill(self, seq, a: int, b: int, normed: torch.Tensor) -> None:
-        """MTP over the pairs (h_t, token t+1) of prompt chunk [a, b) (normed: the chunk's final-normed hidden),
-        once token b is known (the prompt's next token, or the first generated one); then, after the last chunk,
-        the drafts of the first round."""
+    def after_prefill(self, seq, a: int, b: int, normed: torch.Tensor | None) -> None:
+        """After prompt chunk [a, b): with MTP, the layer over the chunk's pairs (h_t, token t+1) (normed: the chunk's
+        final-normed hidden; None when nothing ran) once token b is known (the prompt's next token, or the first
+        generated one); after the last chunk, the drafts of the first round."""
         seq.drafts = []
         if len(seq.tokens) <= b or seq.finish_reason is not None and b == len(seq.prompt):
             return   # nothing sampled (max_new 0), or finished at once: no round follows
+        if not self.mtp:
+            if b == len(seq.prompt):
+                self._ngram([seq])
+            return
+        if normed is None:
+            return   # the prompt was cached whole: the first round verifies no drafts
         out = self._mtp([seq], [(a, b)], normed)
         if b == len(seq.prompt):
             self._draft([seq], out[-1:])
@@ -102,10 +150,10 @@ class MtpSpeculator:
         for seq in seqs:   # drafts the lane may still use: within max_new, the context and the free pages
             seq.drafts = seq.drafts[:self._budget(seq)]
         spans = [(len(s.tokens) - 1, len(s.tokens) + len(s.drafts)) for s in seqs]
-        target, normed, keep, proposed = self._verify(seqs, spans)
-        kept, ran, o, committed = [], [], 0, []
-        for seq, (a, b) in zip(seqs, spans):
-            drafts, t = seq.drafts, target[o:o + b - a]
+        targets, normed, keep, proposed, static = self._verify(seqs, spans)
+        kept, ran, committed = [], [], []
+        for seq, (a, b), t in zip(seqs, spans, targets):
+            drafts = seq.drafts
             n = 0
             while n < len(drafts) and drafts[n] == t[n]:
                 n += 1
@@ -124,16 +172,17 @@ class MtpSpeculator:
                     break
             kept.append(m)
             # the tokens the lane's GDN state has now run: all of the step's, or (a static round's rollback) n + 1
-            ran.append(n + 1 if proposed is not None else b - a)
+            ran.append(n + 1 if static else b - a)
             seq.drafts = []
-            o += b - a
         slots, toks = zip(*committed)   # the penalties' counts, as plain decoding adds them
         count_tokens(e._counts, torch.tensor(slots, dtype=torch.int32, device=e.device),
                      torch.tensor(toks, dtype=torch.int32, device=e.device))
         if keep is not None:
             self._roll_back(seqs, spans, kept, ran, keep)
         live = [(i, s) for i, s in enumerate(seqs) if s.finish_reason is None and self._budget(s) > 0]
-        if live and proposed is not None:   # drafted inside the verify step, from each lane's last kept row
+        if live and not self.mtp:
+            self._ngram([s for _, s in live])
+        elif live and proposed is not None:   # drafted inside the verify step, from each lane's last kept row
             for i, s in live:
                 s.drafts = proposed[i][:self._budget(s)]
             self._proposed([s for _, s in live])
@@ -148,17 +197,18 @@ class MtpSpeculator:
             self._draft(lanes, out.index_select(0, ends))
 
     def _verify(self, seqs, spans):
-        """Run the verify step: (the target's token at every row, the final-normed hidden of every row, the GDN
+        """Run the verify step: (the target's token at each lane's rows, the final-normed hidden of every row, the GDN
         layers' recorded inputs (None when no lane has drafts: nothing to roll back), each lane's next drafts when the
-        step made them (else None)). A VerifyStep (replayed) when no lane has penalties, every lane has all K drafts
-        and its draft steps' positions fit, else op by op."""
+        step made them (else None), whether it was a VerifyStep). A VerifyStep (replayed) when no lane has penalties,
+        (with MTP) every lane has all K drafts, and the positions it writes fit; else op by op."""
         e, cache = self.engine, self.engine.cache
-        # the positions the step's draft steps write, + 1: within what the lane may ever hold (prompt + max_new, the
-        # pages a scheduler reserves for it), so near its end a lane's rounds run op by op
-        reach = [len(s.tokens) + 2 * self.k - 1 for s in seqs]
+        # the positions the step writes (its K + 1 rows; the MTP draft steps' K - 1 more), + 1: within what the lane
+        # may ever hold (prompt + max_new, the pages a scheduler reserves for it), so near its end a lane's rounds run
+        # op by op
+        reach = [len(s.tokens) + (2 * self.k - 1 if self.mtp else self.k) for s in seqs]
         if self.static and all(
-                len(s.drafts) == self.k and not s.sampling.presence_penalty and not s.sampling.frequency_penalty
-                and r <= min(len(s.prompt) + s.max_new, cache.max_context)
+                (len(s.drafts) == self.k or not self.mtp) and not s.sampling.presence_penalty
+                and not s.sampling.frequency_penalty and r <= min(len(s.prompt) + s.max_new, cache.max_context)
                 for s, r in zip(seqs, reach)) \
                 and sum(max(0, -(-r // cache.page_size) - len(s.pages)) for s, r in zip(seqs, reach)) \
                 <= cache.available_pages:
@@ -170,15 +220,16 @@ class MtpSpeculator:
                     self._zero_counts = torch.zeros(cache.max_seqs * (self.k + 1), e.cfg.vocab, dtype=torch.int32,
                                                     device=e.device)
                 vs = self.verify[len(seqs)] = VerifyStep(e, len(seqs), self.k + 1, e.graphs is not None,
-                                                         self._zero_counts)
-            target, drafts = vs.run(seqs)
-            return target, vs.normed, vs.keep, drafts
+                                                         self._zero_counts, self.mtp)
+            targets, drafts = vs.run(seqs)
+            return targets, vs.normed, vs.keep, drafts, True
         ids, step, rows = e._inputs(seqs, spans, all_rows=True)
         if any(s.drafts for s in seqs):
             cache.save_states(step.state_slots)
             step.keep = []
         logits, normed = e.model.forward(e.be, ids, step, rows, normed=True)
-        return self._picks(logits, seqs, spans).tolist(), normed, step.keep, None
+        picks, qs = self._picks(logits, seqs, spans).tolist(), np.cumsum([0] + [b - a for a, b in spans])
+        return [picks[qs[i]:qs[i + 1]] for i in range(len(seqs))], normed, step.keep, None, False
 
     def _picks(self, logits, seqs, spans) -> torch.Tensor:
         """The target's token at every verify row: row i of a lane is drawn as plain decoding draws the lane's
@@ -239,6 +290,15 @@ class MtpSpeculator:
             last = self._mtp(seqs, [(p - 1, p) for p in n], last)
         self._proposed(lanes)
 
+    def _ngram(self, seqs) -> None:
+        """Each sequence's drafts from its own n-grams (prompt lookup)."""
+        c = self.config
+        for s in seqs:
+            if s.proposer is None:
+                s.proposer = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+            s.drafts = s.proposer.propose(s.tokens, self._budget(s))
+        self._proposed(seqs)
+
     def _proposed(self, seqs) -> None:
         """The sequences' drafts for their next round are set (drafts_from hooks in here)."""
 
@@ -259,7 +319,7 @@ def drafts_from(known: dict, alter=None):
     continuation), after the MTP layer ran (its cost, its KV), changed by alter(drafts) where given. Random weights
     reject the MTP layer's own drafts: this is how ninfer-bench spec measures rounds whose drafts hold, and how the
     tests drive acceptance and rollback."""
-    real = MtpSpeculator._proposed
+    real = Speculator._proposed
 
     def proposed(self, seqs):
         real(self, seqs)
@@ -269,8 +329,8 @@ def drafts_from(known: dict, alter=None):
                 s.drafts = list(full[len(s.tokens):len(s.tokens) + len(s.drafts)])
                 if alter is not None:
                     alter(s.drafts)
-    MtpSpeculator._proposed = proposed
+    Speculator._proposed = proposed
     try:
         yield
     finally:
-        MtpSpeculator._proposed = real
+        Speculator._proposed = real

@@ -1,8 +1,8 @@
 """A speculative round over static buffers: on the GPU captured once per batch size as a CUDA graph and replayed (its
 several hundred launches as one), elsewhere run as it is.
 
-It serves the rounds whose every lane is without penalties and verifies the full K drafts (the common case; others
-run op by op). A round fills the buffers with two pinned host-to-device copies (the lanes' last tokens and drafts,
+It serves the rounds whose lanes have no penalties (the common case; others run op by op); a lane with fewer drafts
+than K (n-gram drafts) has its rows padded and its count bounds what the step accepts. A round fills the buffers with two pinned host-to-device copies (the lanes' last tokens and drafts,
 positions, KV slots, each row's sampling parameters and counter, state slots, page tables), replays, and reads back
 the target's token at every row and the next round's drafts. Inside: the GDN states copied aside
 (SequenceCache.save_states), the verify forward, every row's token drawn by the sample op (argmax at temperature 0;
@@ -20,23 +20,26 @@ import torch
 from .decode_graph import capture
 from .models.blocks import Step
 
-# one per row; then state_slots [b], then the [b, width] page table
+# one per row; then per lane the state slot and the number of real drafts, then the [b, width] page table
 _FIELDS = ("ids", "positions", "slot_mapping", "top_k", "seed", "counter")
+_LANE_FIELDS = ("state_slots", "ndrafts")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "zero")   # zero: the presence and frequency penalties
 
 
 class VerifyStep:
     """The static round of b lanes of `length` = K + 1 tokens (see the module docstring)."""
 
-    def __init__(self, engine, b: int, length: int, graph: bool, counts: torch.Tensor):
+    def __init__(self, engine, b: int, length: int, graph: bool, counts: torch.Tensor, mtp: bool = True):
         """counts: a zero [>= b * length, V] int32 tensor (the sample op's penalty counts, which it does not read
-        without penalties), shared by the steps."""
+        without penalties), shared by the steps. mtp: the step also drafts the next round with the MTP layer."""
         dev, cache = engine.device, engine.cache
-        self.engine, self.b, self.length = engine, b, length
+        self.engine, self.b, self.length, self.mtp = engine, b, length, mtp
         T = b * length
         self.width = cache.pages_per_seq
         self.stride = stride = -(-T // 4) * 4   # each field starts on a 16-byte boundary (vector loads)
-        sizes = len(_FIELDS) * stride + -(-b // 4) * 4 + b * self.width
+        self.lane_stride = -(-b // 4) * 4
+        self.table_at = len(_FIELDS) * stride + len(_LANE_FIELDS) * self.lane_stride
+        sizes = self.table_at + b * self.width
         self.ints = torch.zeros(sizes, dtype=torch.int32, device=dev)
         self.floats = torch.zeros(len(_FLOAT_FIELDS) * stride, dtype=torch.float32, device=dev)
         self.host, self.host_floats = torch.zeros_like(self.ints, device="cpu"), torch.zeros_like(self.floats, device="cpu")
@@ -45,9 +48,11 @@ class VerifyStep:
         self.f = {n: self.ints[i * stride:i * stride + T] for i, n in enumerate(_FIELDS)}
         self.f |= {n: self.floats[i * stride:i * stride + T] for i, n in enumerate(_FLOAT_FIELDS)}
         self.counts = counts[:T]
-        base = len(_FIELDS) * stride
-        self.state_slots = self.ints[base:base + b]
-        self.block_table = self.ints[base + -(-b // 4) * 4:].view(b, self.width)
+        for i, n in enumerate(_LANE_FIELDS):
+            at = len(_FIELDS) * stride + i * self.lane_stride
+            self.f[n] = self.ints[at:at + b]
+        self.state_slots = self.f["state_slots"]
+        self.block_table = self.ints[self.table_at:].view(b, self.width)
         self.token_seq = torch.arange(b, dtype=torch.int32, device=dev).repeat_interleave(length)
         self.query_start = torch.arange(0, T + 1, length, dtype=torch.int32, device=dev)
         self.rows = torch.arange(T, dtype=torch.int32, device=dev)
@@ -75,14 +80,17 @@ class VerifyStep:
         e.be.run("sample", logits=logits, counts=self.counts, temperature=f["temperature"], top_k=f["top_k"],
                  top_p=f["top_p"], min_p=f["min_p"], presence=f["zero"], frequency=f["zero"], seed=f["seed"],
                  counter=f["counter"], ids=self.out, domain=e.domain)
-        # drafts accepted per lane: the leading drafts equal to the target's token at the row before them
+        # drafts accepted per lane: the leading (real) drafts equal to the target's token at the row before them
         t, fed = self.out.view(b, L), self.f["ids"].view(b, L)
-        n = (fed[:, 1:] == t[:, :-1]).int().cumprod(1).sum(1)
+        real_draft = torch.arange(L - 1, device=t.device)[None, :] < self.f["ndrafts"][:, None]
+        n = ((fed[:, 1:] == t[:, :-1]) & real_draft).int().cumprod(1).sum(1)
         # each lane's GDN states back to before the step, then advanced over the n + 1 rows it keeps (a lane that
         # finishes inside the round keeps fewer: the engine fixes it up op by op)
         e.cache.restore_states(self.state_slots)
         for mixer, mixed, g, beta in self.keep:
             mixer.replay(e.be, mixed, g, beta, self.query_start, self.state_slots, kept=n + 1)
+        if not self.mtp:
+            return
         last = e.model.mtp(e.be, self.out, self.normed, step).index_select(0, self.lanes * L + n)
         p = self.f["positions"].view(b, L)[:, 0] + n                 # each lane's last kept row's position
         real = self.f["slot_mapping"].view(b, L)[:, 0] >= 0          # (warm-up and capture write no KV)
@@ -98,19 +106,19 @@ class VerifyStep:
                          state_slots=self.state_slots, decode=True)
             last = e.model.mtp(e.be, self.drafts[j], last, mstep)
 
-    def run(self, seqs) -> tuple[list[int], list[list[int]]]:
-        """A round for these sequences (all `length` - 1 drafts each, no penalties; pages grown to cover the positions
-        up to len(tokens) + 2 (length - 1) - 2): the target's token at every row, lane by lane (row i drawn with the
-        counter n_generated + i, as plain decoding draws that position), and each lane's next drafts."""
+    def run(self, seqs) -> tuple[list[list[int]], list[list[int]] | None]:
+        """A round for these sequences (up to `length` - 1 drafts each, all of them with MTP; no penalties; pages grown
+        to cover the positions the step writes): the target's token at every row of each lane (row i drawn with the
+        counter n_generated + i, as plain decoding draws that position), and with MTP each lane's next drafts."""
         ps, L, st, h, hf = self.engine.cache.page_size, self.length, self.stride, self.host.numpy(), self.host_floats.numpy()
-        table = h[len(_FIELDS) * st + -(-self.b // 4) * 4:].reshape(self.b, self.width)
+        table = h[self.table_at:].reshape(self.b, self.width)
         table[:] = 0
         io = {n: i * st for i, n in enumerate(_FIELDS)}
         fo = {n: i * st for i, n in enumerate(_FLOAT_FIELDS)}
         for r, s in enumerate(seqs):
             o, p0, sp = r * L, len(s.tokens) - 1, s.sampling
             pos = range(p0, p0 + L)
-            h[o:o + L] = [s.tokens[-1], *s.drafts]
+            h[o:o + L] = [s.tokens[-1], *s.drafts] + [s.tokens[-1]] * (L - 1 - len(s.drafts))   # (padding: never kept)
             h[io["positions"] + o:io["positions"] + o + L] = pos
             h[io["slot_mapping"] + o:io["slot_mapping"] + o + L] = [s.pages[p // ps] * ps + p % ps for p in pos]
             h[io["top_k"] + o:io["top_k"] + o + L] = sp.top_k
@@ -119,6 +127,7 @@ class VerifyStep:
             for name, v in (("temperature", sp.temperature), ("top_p", sp.top_p), ("min_p", sp.min_p)):
                 hf[fo[name] + o:fo[name] + o + L] = v
             h[len(_FIELDS) * st + r] = s.slot
+            h[len(_FIELDS) * st + self.lane_stride + r] = len(s.drafts)
             table[r, :len(s.pages)] = s.pages
         self.ints.copy_(self.host, non_blocking=True)
         self.floats.copy_(self.host_floats, non_blocking=True)
@@ -126,6 +135,7 @@ class VerifyStep:
             self.graph.replay()
         else:
             self._body()
-        got = torch.cat([self.out, self.drafts.t().reshape(-1)]).tolist()
+        got = torch.cat([self.out, self.drafts.t().reshape(-1)] if self.mtp else [self.out]).tolist()
         T = self.b * L
-        return got[:T], [got[T + r * (L - 1):T + (r + 1) * (L - 1)] for r in range(self.b)]
+        targets = [got[r * L:(r + 1) * L] for r in range(self.b)]
+        return targets, [got[T + r * (L - 1):T + (r + 1) * (L - 1)] for r in range(self.b)] if self.mtp else None

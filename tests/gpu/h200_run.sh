@@ -67,11 +67,11 @@ for stage in $STAGES; do
         env $form timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b --weights q4 \
           ${BENCH35:---prompts 1024 --concurrency 1,2,8 --steps 64 --prefill-reps 1} --json "$OUT/moe-decode-ab-$i.json" 2>&1 | tee "$OUT/moe-decode-ab-$i.log"
       done ;;
-    spec)  # MTP speculative decoding against plain decoding, 27B and 35B-A3B q4 (drafts rejected, then injected)
-      for shape in qwen3.6-27b qwen3.6-35b-a3b; do
-        timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench spec --shape $shape --weights q4 ${BENCH_SPEC:---concurrency 1,8} \
-          --json "$OUT/spec-$shape.json" 2>&1 | tee "$OUT/spec-$shape.log"
-      done ;;
+    spec)  # speculative decoding against plain decoding, 27B and 35B-A3B q4, MTP and n-gram drafts (rejected, then injected)
+      for shape in qwen3.6-27b qwen3.6-35b-a3b; do for method in ${SPEC_METHODS:-mtp ngram}; do
+        timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench spec --shape $shape --weights q4 --method $method \
+          ${BENCH_SPEC:---concurrency 1,8} --json "$OUT/spec-$shape-$method.json" 2>&1 | tee "$OUT/spec-$shape-$method.log"
+      done; done ;;
     chunk-ab)  # 27B q4 prefill with prefill chunks of 1024, 4096 and 8192 tokens
       for chunk in 1024 4096 8192; do
         timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b --weights q4 --prompts ${CHUNK_PROMPTS:-8192} \

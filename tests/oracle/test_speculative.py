@@ -246,10 +246,14 @@ def test_sampling_and_penalties_draw_what_plain_decoding_draws(ckpt, injected):
 def test_bad_configurations_are_refused(ckpt, tmp_path):
     d, _ = ckpt
     for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"num_speculative_tokens": 9}',
-                '{"num_speculative_tokens": "3"}', '{"model": "x"}', '[3]', 'mtp'):
+                '{"num_speculative_tokens": "3"}', '{"model": "x"}', '[3]', 'mtp', '{"prompt_lookup_max": 3}',
+                '{"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}',
+                '{"method": "ngram", "prompt_lookup_max": 0}', '{"method": "ngram", "prompt_lookup_max": 17}'):
         with pytest.raises(SpeculativeConfigError):
             SpeculativeConfig.parse(bad)
     assert SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}') == SpeculativeConfig("mtp", 2)
+    assert SpeculativeConfig.parse('{"method": "ngram"}') == SpeculativeConfig("ngram", 3, 4, 2)
+    assert SpeculativeConfig.parse('{"method": "ngram", "prompt_lookup_max": 1}') == SpeculativeConfig("ngram", 3, 1, 1)
     no_mtp = tmp_path / "no_mtp.ninfer"
     convert(plan_conversion(d, fmt="fp32", skip=("mtp",)), no_mtp)
     with pytest.raises(EngineError, match="MTP layer"):
@@ -313,3 +317,67 @@ def test_bench_spec_runs_the_three_modes(ckpt):
         assert c <= got[c, "mtp drafts"]["tokens_per_call"] < 2 * c
         assert got[c, "known drafts"]["tokens_per_call"] == 4 * c and got[c, "known drafts"]["acceptance"] == 1.0
     assert eng.cache.in_use == (0, 0)
+
+
+# -- n-gram drafts (prompt lookup) -------------------------------------------------------------------------------
+NGRAM = SpeculativeConfig("ngram", 3, 4, 2)
+
+
+def test_ngram_index_proposes_what_followed_the_latest_match():
+    from ninfer.runtime.speculative import NgramIndex
+    idx = NgramIndex(2, 3)
+    toks = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6]
+    assert idx.propose(toks, 3) == [7, 1, 2]          # [5, 6] last ended at index 6 (then 7, 1, 2)
+    toks += [7]
+    assert idx.propose(toks, 2) == [1, 2]             # [5, 6, 7] at 5..7: the 3-gram wins
+    assert idx.propose(toks + [4], 3) == []           # [7, 4] and [6, 7, 4] never seen
+    assert NgramIndex(2, 4).propose([1, 2, 3, 1, 2], 8) == [3, 1, 2, 3, 1, 2, 3, 1]   # on periodically past the end
+    assert NgramIndex(2, 4).propose([3], 2) == [] and NgramIndex(1, 1).propose([4, 4], 3) == [4, 4, 4]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "next"])
+def test_ngram_rounds_equal_plain_decoding(kinds, kind):
+    """Any family (no MTP layer needed), greedy, seeded sampling and penalty lanes. Long random prompts and one-token
+    lookups: most tokens the model writes occurred before, so most rounds verify (mostly wrong) drafts, often fewer
+    than K (padded rows in the static round)."""
+    _, art = kinds(kind)
+    ps = prompts(300, 250, 280, seed=10)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=2), SamplingParams(presence_penalty=0.5)]
+    ref = [s.generated for s in engine(art, None, max_context=400).generate(ps, max_new=16, sampling=params)]
+    eng = engine(art, SpeculativeConfig("ngram", 3, 2, 1), max_context=400)
+    assert [s.generated for s in eng.generate(ps, max_new=16, sampling=params)] == ref
+    assert eng.spec.stats["num_drafts"] >= 8 and eng.cache.in_use == (0, 0)
+
+
+def test_ngram_drafts_hold_on_the_demo_model(demo_artifact):
+    """The demo model (random weights) answers greedily with one repeated token: n-gram drafts then hold, so rounds
+    commit up to K + 1 tokens, including the padded rows of lanes with fewer drafts (never accepted)."""
+    from ninfer.runtime.tokenizer import Tokenizer
+    eng = Engine(demo_artifact, backend="reference", max_context=128, max_seqs=2, speculative=NGRAM)
+    plain_eng = Engine(demo_artifact, backend="reference", max_context=128, max_seqs=2)
+    ids = Tokenizer.from_artifact(eng.art).encode("Once upon a time")
+    want = plain_eng.generate([ids], max_new=24)[0].generated
+    got = eng.generate([ids], max_new=24)[0]
+    assert got.generated == want
+    st = eng.spec.stats
+    assert st["num_accepted_tokens"] >= 0.5 * st["num_draft_tokens"] > 0 and 1 in eng.spec.verify
+    eng.close()
+    plain_eng.close()
+
+
+@pytest.mark.parametrize("kind,spec", [("dense", MTP), ("dense", NGRAM), ("demo", NGRAM)])
+def test_lane_state_after_rounds_equals_plain_decodings(kinds, demo_artifact, kind, spec):
+    """The GDN states a finished lane keeps (prefix caching: its state after all its tokens but the last) equal the
+    plain engine's: every round's rollback left the state at exactly the tokens it committed (the outputs alone could
+    not tell, where a model repeats itself)."""
+    art = demo_artifact if kind == "demo" else kinds(kind)[1]
+    p = prompts(12, seed=12)[0]
+    engines = [Engine(art, backend="reference", max_context=128, max_seqs=1, prefix_caching=True, speculative=c)
+               for c in (None, spec)]
+    outs = [e.generate([p], max_new=20)[0].generated for e in engines]
+    assert outs[0] == outs[1]
+    for i, (conv, state) in engines[0].cache.gdn.items():
+        other = engines[1].cache.gdn[i]
+        assert torch.allclose(conv[0], other[0][0], atol=1e-5) and torch.allclose(state[0], other[1][0], atol=1e-5)
+    for e in engines:
+        e.close()

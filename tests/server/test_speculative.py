@@ -74,6 +74,23 @@ def test_greedy_answers_equal_the_plain_servers(server, spec_server, known):
     spec_server.wait_idle()
 
 
+def test_ngram_drafts_through_a_live_server(server, demo_artifact):
+    """`{"method": "ngram"}` on the demo model, whose greedy answers repeat one token: the drafts hold, so rounds commit
+    several tokens (streamed as one event), and the answers are the plain server's."""
+    s = LiveServer(demo_artifact, max_concurrency=2, max_context=1024, prefill_chunk=64, max_pending=4,
+                   pending_timeout_ms=60_000, speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
+    try:
+        for stream in (False, True):
+            assert ask(s, ASKS[1], stream=stream) == ask(server, ASKS[1])
+        m = metrics(s)
+        drafted = m[("ninfer_spec_decode_num_draft_tokens_total", ())]
+        assert m[("ninfer_spec_decode_num_accepted_tokens_total", ())] >= drafted / 2 > 0
+        assert m[("ninfer_decode_steps_total", ())] < 40   # two answers of 40 tokens
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_sampling_requests_beside_greedy_ones(server, spec_server):
     hot = dict(temperature=0.8, seed=5, max_tokens=24)
     c, p = spec_server.openai(), server.openai()
@@ -84,7 +101,7 @@ def test_sampling_requests_beside_greedy_ones(server, spec_server):
 
 def test_bad_speculative_config_is_refused(demo_artifact):
     import click
-    for bad, what in (('{"method": "ngram"}', "not supported"), ('{"num_speculative_tokens": 12}', "1..8"),
+    for bad, what in (('{"method": "eagle3"}', "not supported"), ('{"num_speculative_tokens": 12}', "1..8"),
                       ("{method: mtp}", "not JSON")):
         with pytest.raises(click.ClickException, match=what):
             LiveServer(demo_artifact, max_concurrency=1, max_context=256, max_pending=1, pending_timeout_ms=1000,
