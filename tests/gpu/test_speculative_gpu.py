@@ -4,8 +4,8 @@ A verify step runs K + 1 tokens a lane through the prefill-shaped routes (GDN co
 spans) where plain decoding runs gdn_decode and T = lanes; neither is bitwise equal to the other, so greedy outputs
 agree token for token up to the first near-tie (the batch rule of test_engine_gpu: a parting is allowed only where the
 plain run's top-1 margin, scored, is within twice model_bf16's atol). Drafts come from the MTP layer (random: mostly
-rejected) and from the plain run's own tokens (accepted: the rollback of the rejected tail and the commit of whole
-rounds); the verify step's CUDA graph against its launches; the MTP layer's output agrees with the reference backend's
+rejected), from prompt lookup (n-grams), and from the plain run's own tokens (accepted: the rollback of the rejected
+tail and the commit of whole rounds); the verify step's CUDA graph against its launches; the MTP layer's output agrees with the reference backend's
 within model_bf16."""
 import os
 from pathlib import Path
@@ -47,10 +47,12 @@ def engines():
     made = {}
 
     def get(kind, k=None, backend="cuda", cuda_graphs=True):
-        key = (kind, k, backend, cuda_graphs)
+        """k: MTP with k drafts, or a SpeculativeConfig; None: plain decoding."""
+        spec = SpeculativeConfig("mtp", k) if isinstance(k, int) else k
+        key = (kind, spec, backend, cuda_graphs)
         if key not in made:
-            made[key] = Engine(artifact(kind), backend=backend, max_context=160, max_seqs=4, prefill_chunk=16,
-                               speculative=SpeculativeConfig("mtp", k) if k else None, cuda_graphs=cuda_graphs)
+            made[key] = Engine(artifact(kind), backend=backend, max_context=400, max_seqs=4, prefill_chunk=16,
+                               speculative=spec, cuda_graphs=cuda_graphs)
         return made[key]
     return get
 
@@ -127,6 +129,21 @@ def test_mtp_layer_agrees_with_the_reference_backend(engines, kind):
     preset = engines(kind).be.manifest.tolerances["model_bf16"]
     verdict = compare(outs["cuda"], outs["reference"], preset)
     assert verdict.ok, verdict
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "next"])
+def test_ngram_rounds_agree_with_plain_decoding(engines, kind):
+    """Prompt-lookup drafts (any family): long random prompts, so many rounds verify drafts, often fewer than K (padded
+    rows in the captured round)."""
+    from ninfer.runtime.speculative import SpeculativeConfig
+    plain = engines(kind)
+    spec = engines(kind, SpeculativeConfig("ngram", 3, 2, 1))   # one-token lookups: more rounds with drafts
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (300, 250, 280)]
+    want = [s.generated for s in plain.generate(ps, max_new=24)]
+    got = [s.generated for s in spec.generate(ps, max_new=24)]
+    agree_up_to_near_ties(plain, ps, got, want)
+    assert spec.spec.stats["num_drafts"] >= 8 and spec.spec.verify[3].graph is not None
 
 
 def test_mixed_batch_of_greedy_and_sampling_lanes(engines):
