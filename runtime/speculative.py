@@ -19,9 +19,9 @@ its last row drafts the next round's first token; K - 1 further MTP steps each p
 draft it chose. Prefill runs the MTP layer over every prompt chunk too (its KV at every prompt position). N-gram drafts
 come from an index of the sequence's n-grams, updated as tokens are committed.
 
-A round whose lanes have no penalties (and, with MTP, verify all K drafts) is a CUDA-graph replay (verify_graph.py:
-verify, the draws, acceptance count, rollback, MTP steps; fewer n-gram drafts are padded and never accepted); other
-rounds, and a lane that finishes inside a round (kept fewer tokens than it accepted), are launched op by op.
+A round is a CUDA-graph replay (verify_graph.py: verify, the draws, acceptance count, rollback, MTP steps; fewer n-gram
+drafts are padded and never accepted) unless, with MTP, a lane near its end verifies fewer than K drafts; such rounds,
+and a lane that finishes inside a round (kept fewer tokens than it accepted), are launched op by op.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ class Speculator:
         self.accepted_per_pos = [0] * self.k
         self.verify: dict[int, VerifyStep] = {}   # per batch size, made on first use
         self.static = True   # rounds that can use a VerifyStep do (False: every round op by op; A/B and tests)
-        self._zero_counts = None   # the VerifySteps' penalty counts (never read: no penalties there), made once
+        self._row_counts = None   # the VerifySteps' penalty counts per row, made once
 
     # -- prefill ---------------------------------------------------------------------------------
     def after_prefill(self, seq, a: int, b: int, normed: torch.Tensor | None) -> None:
@@ -199,16 +199,15 @@ class Speculator:
     def _verify(self, seqs, spans):
         """Run the verify step: (the target's token at each lane's rows, the final-normed hidden of every row, the GDN
         layers' recorded inputs (None when no lane has drafts: nothing to roll back), each lane's next drafts when the
-        step made them (else None), whether it was a VerifyStep). A VerifyStep (replayed) when no lane has penalties,
-        (with MTP) every lane has all K drafts, and the positions it writes fit; else op by op."""
+        step made them (else None), whether it was a VerifyStep). A VerifyStep (replayed) when (with MTP) every lane has
+        all K drafts and the positions it writes fit; else op by op."""
         e, cache = self.engine, self.engine.cache
         # the positions the step writes (its K + 1 rows; the MTP draft steps' K - 1 more), + 1: within what the lane
         # may ever hold (prompt + max_new, the pages a scheduler reserves for it), so near its end a lane's rounds run
         # op by op
         reach = [len(s.tokens) + (2 * self.k - 1 if self.mtp else self.k) for s in seqs]
         if self.static and all(
-                (len(s.drafts) == self.k or not self.mtp) and not s.sampling.presence_penalty
-                and not s.sampling.frequency_penalty and r <= min(len(s.prompt) + s.max_new, cache.max_context)
+                (len(s.drafts) == self.k or not self.mtp) and r <= min(len(s.prompt) + s.max_new, cache.max_context)
                 for s, r in zip(seqs, reach)) \
                 and sum(max(0, -(-r // cache.page_size) - len(s.pages)) for s, r in zip(seqs, reach)) \
                 <= cache.available_pages:
@@ -216,11 +215,11 @@ class Speculator:
                 cache.grow(s.pages, r)
             vs = self.verify.get(len(seqs))
             if vs is None:
-                if self._zero_counts is None:
-                    self._zero_counts = torch.zeros(cache.max_seqs * (self.k + 1), e.cfg.vocab, dtype=torch.int32,
-                                                    device=e.device)
+                if self._row_counts is None:
+                    self._row_counts = torch.zeros(cache.max_seqs * (self.k + 1), e.cfg.vocab, dtype=torch.int32,
+                                                   device=e.device)
                 vs = self.verify[len(seqs)] = VerifyStep(e, len(seqs), self.k + 1, e.graphs is not None,
-                                                         self._zero_counts, self.mtp)
+                                                         self._row_counts, self.mtp)
             targets, drafts = vs.run(seqs)
             return targets, vs.normed, vs.keep, drafts, True
         ids, step, rows = e._inputs(seqs, spans, all_rows=True)

@@ -1,12 +1,12 @@
 """A speculative round over static buffers: on the GPU captured once per batch size as a CUDA graph and replayed (its
 several hundred launches as one), elsewhere run as it is.
 
-It serves the rounds whose lanes have no penalties (the common case; others run op by op); a lane with fewer drafts
-than K (n-gram drafts) has its rows padded and its count bounds what the step accepts. A round fills the buffers with two pinned host-to-device copies (the lanes' last tokens and drafts,
+It serves every round but those with fewer MTP drafts than K near a lane's end; a lane with fewer n-gram drafts than
+K has its rows padded and its count bounds what the step accepts. A round fills the buffers with two pinned host-to-device copies (the lanes' last tokens and drafts,
 positions, KV slots, each row's sampling parameters and counter, state slots, page tables), replays, and reads back
 the target's token at every row and the next round's drafts. Inside: the GDN states copied aside
 (SequenceCache.save_states), the verify forward, every row's token drawn by the sample op (argmax at temperature 0;
-no penalties, so it reads no counts), the drafts each lane keeps (counted on the device), the GDN states put back and
+penalty counts per row: the lane's generated tokens and the drafts before the row), the drafts each lane keeps (counted on the device), the GDN states put back and
 advanced over the kept rows (GatedDeltaNet.replay with masked gates: every lane, every round), the MTP layer over every row's pair (the row's
 final-normed hidden, the target's token at the row: for the kept rows exactly the committed tokens; the rows after
 them write MTP KV at positions the next round rewrites before reading), its output at each lane's last kept row, and
@@ -21,17 +21,17 @@ from .decode_graph import capture
 from .models.blocks import Step
 
 # one per row; then per lane the state slot and the number of real drafts, then the [b, width] page table
-_FIELDS = ("ids", "positions", "slot_mapping", "top_k", "seed", "counter")
+_FIELDS = ("ids", "positions", "slot_mapping", "top_k", "seed", "counter", "row_slots")
 _LANE_FIELDS = ("state_slots", "ndrafts")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "zero")   # zero: the presence and frequency penalties
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency")
 
 
 class VerifyStep:
     """The static round of b lanes of `length` = K + 1 tokens (see the module docstring)."""
 
     def __init__(self, engine, b: int, length: int, graph: bool, counts: torch.Tensor, mtp: bool = True):
-        """counts: a zero [>= b * length, V] int32 tensor (the sample op's penalty counts, which it does not read
-        without penalties), shared by the steps. mtp: the step also drafts the next round with the MTP layer."""
+        """counts: a [>= b * length, V] int32 buffer for the rows' penalty counts, shared by the steps (one runs at a
+        time). mtp: the step also drafts the next round with the MTP layer."""
         dev, cache = engine.device, engine.cache
         self.engine, self.b, self.length, self.mtp = engine, b, length, mtp
         T = b * length
@@ -60,6 +60,11 @@ class VerifyStep:
         self.drafts = torch.empty(length - 1, b, dtype=torch.int32, device=dev)   # draft j of every lane: row j
         self.lanes = torch.arange(b, dtype=torch.int32, device=dev)
         self.lane_qs = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        # (row, flat index of a draft before it in the row's lane): row i of a lane counts drafts 1..i
+        pairs = [(r * length + i, r * length + j) for r in range(b) for i in range(1, length) for j in range(1, i + 1)]
+        self.pair_rows = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=dev)
+        self.pair_drafts = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dev)
+        self.ones = torch.ones(len(pairs), dtype=torch.int32, device=dev)
         self.normed, self.keep = None, None
         self.graph = None
         if graph:   # warm-up and capture write nothing real: no KV (slot -1), GDN state in the scratch slot
@@ -77,8 +82,10 @@ class VerifyStep:
         e.cache.save_states(self.state_slots)
         logits, self.normed = e.model.forward(e.be, self.f["ids"], step, self.rows, normed=True)
         f = self.f
+        self.counts.copy_(e._counts.index_select(0, f["row_slots"]))   # the lane's generated tokens, + its drafts
+        self.counts.index_put_((self.pair_rows, f["ids"][self.pair_drafts].long()), self.ones, accumulate=True)
         e.be.run("sample", logits=logits, counts=self.counts, temperature=f["temperature"], top_k=f["top_k"],
-                 top_p=f["top_p"], min_p=f["min_p"], presence=f["zero"], frequency=f["zero"], seed=f["seed"],
+                 top_p=f["top_p"], min_p=f["min_p"], presence=f["presence"], frequency=f["frequency"], seed=f["seed"],
                  counter=f["counter"], ids=self.out, domain=e.domain)
         # drafts accepted per lane: the leading (real) drafts equal to the target's token at the row before them
         t, fed = self.out.view(b, L), self.f["ids"].view(b, L)
@@ -107,8 +114,8 @@ class VerifyStep:
             last = e.model.mtp(e.be, self.drafts[j], last, mstep)
 
     def run(self, seqs) -> tuple[list[list[int]], list[list[int]] | None]:
-        """A round for these sequences (up to `length` - 1 drafts each, all of them with MTP; no penalties; pages grown
-        to cover the positions the step writes): the target's token at every row of each lane (row i drawn with the
+        """A round for these sequences (up to `length` - 1 drafts each, all of them with MTP; pages grown to cover the
+        positions the step writes): the target's token at every row of each lane (row i drawn with the
         counter n_generated + i, as plain decoding draws that position), and with MTP each lane's next drafts."""
         ps, L, st, h, hf = self.engine.cache.page_size, self.length, self.stride, self.host.numpy(), self.host_floats.numpy()
         table = h[self.table_at:].reshape(self.b, self.width)
@@ -124,7 +131,9 @@ class VerifyStep:
             h[io["top_k"] + o:io["top_k"] + o + L] = sp.top_k
             h[io["seed"] + o:io["seed"] + o + L] = ((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000   # 32-bit
             h[io["counter"] + o:io["counter"] + o + L] = range(s.n_generated, s.n_generated + L)
-            for name, v in (("temperature", sp.temperature), ("top_p", sp.top_p), ("min_p", sp.min_p)):
+            h[io["row_slots"] + o:io["row_slots"] + o + L] = s.slot
+            for name, v in (("temperature", sp.temperature), ("top_p", sp.top_p), ("min_p", sp.min_p),
+                            ("presence", sp.presence_penalty), ("frequency", sp.frequency_penalty)):
                 hf[fo[name] + o:fo[name] + o + L] = v
             h[len(_FIELDS) * st + r] = s.slot
             h[len(_FIELDS) * st + self.lane_stride + r] = len(s.drafts)
