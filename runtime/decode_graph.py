@@ -44,8 +44,8 @@ def capture(fn, warmup=None) -> torch.cuda.CUDAGraph:
 
 def count_tokens(counts: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> None:
     """counts[slots[i], ids[i]] += 1 on the counts' device, in one launch and without a host sync (so a decode graph
-    captures it): the generated-token counts the sample op's presence / frequency penalties read. A step's lanes
-    are distinct, so no two rows add to one count."""
+    captures it): the generated-token counts the sample op's presence / frequency penalties read. Repeated
+    (slot, id) pairs add up (a speculative round's drafts)."""
     counts.view(-1).scatter_add_(0, slots.long() * counts.shape[1] + ids.long(), torch.ones_like(ids))
 
 

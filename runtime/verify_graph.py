@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .decode_graph import capture
+from .decode_graph import capture, count_tokens
 from .models.blocks import Step
 
 # one per row; then per lane the state slot and the number of real drafts, then the [b, width] page table
@@ -64,7 +64,6 @@ class VerifyStep:
         pairs = [(r * length + i, r * length + j) for r in range(b) for i in range(1, length) for j in range(1, i + 1)]
         self.pair_rows = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=dev)
         self.pair_drafts = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dev)
-        self.ones = torch.ones(len(pairs), dtype=torch.int32, device=dev)
         self.normed, self.keep = None, None
         self.graph = None
         if graph:   # warm-up and capture write nothing real: no KV (slot -1), GDN state in the scratch slot
@@ -83,7 +82,7 @@ class VerifyStep:
         logits, self.normed = e.model.forward(e.be, self.f["ids"], step, self.rows, normed=True)
         f = self.f
         self.counts.copy_(e._counts.index_select(0, f["row_slots"]))   # the lane's generated tokens, + its drafts
-        self.counts.index_put_((self.pair_rows, f["ids"][self.pair_drafts].long()), self.ones, accumulate=True)
+        count_tokens(self.counts, self.pair_rows, f["ids"][self.pair_drafts])   # (as the decode graph counts)
         e.be.run("sample", logits=logits, counts=self.counts, temperature=f["temperature"], top_k=f["top_k"],
                  top_p=f["top_p"], min_p=f["min_p"], presence=f["presence"], frequency=f["frequency"], seed=f["seed"],
                  counter=f["counter"], ids=self.out, domain=e.domain)
