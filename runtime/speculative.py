@@ -26,6 +26,7 @@ and a lane that finishes inside a round (kept fewer tokens than it accepted), ar
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ import torch
 from .decode_graph import count_tokens
 from .verify_graph import VerifyStep
 
+log = logging.getLogger("ninfer.speculative")
 METHODS = ("mtp", "ngram")
 MAX_SPECULATIVE_TOKENS = 8   # verify steps of up to 8 x 9 tokens stay within the decode-sized routes' reach
 
@@ -213,13 +215,7 @@ class Speculator:
                 <= cache.available_pages:
             for s, r in zip(seqs, reach):
                 cache.grow(s.pages, r)
-            vs = self.verify.get(len(seqs))
-            if vs is None:
-                if self._row_counts is None:
-                    self._row_counts = torch.zeros(cache.max_seqs * (self.k + 1), e.cfg.vocab, dtype=torch.int32,
-                                                   device=e.device)
-                vs = self.verify[len(seqs)] = VerifyStep(e, len(seqs), self.k + 1, e.graphs is not None,
-                                                         self._row_counts, self.mtp)
+            vs = self.verify.get(len(seqs)) or self._verify_step(len(seqs))
             targets, drafts = vs.run(seqs)
             return targets, vs.normed, vs.keep, drafts, True
         ids, step, rows = e._inputs(seqs, spans, all_rows=True)
@@ -229,6 +225,23 @@ class Speculator:
         logits, normed = e.model.forward(e.be, ids, step, rows, normed=True)
         picks, qs = self._picks(logits, seqs, spans).tolist(), np.cumsum([0] + [b - a for a, b in spans])
         return [picks[qs[i]:qs[i + 1]] for i in range(len(seqs))], normed, step.keep, None, False
+
+    def _verify_step(self, b: int) -> VerifyStep:
+        """The static round for b lanes, made on first use: captured as a CUDA graph where the engine captures its
+        decode steps; should the capture fail, run uncaptured (the same results, launched op by op) and say so."""
+        e = self.engine
+        if self._row_counts is None:
+            self._row_counts = torch.zeros(e.cache.max_seqs * (self.k + 1), e.cfg.vocab, dtype=torch.int32,
+                                           device=e.device)
+        try:
+            vs = VerifyStep(e, b, self.k + 1, e.graphs is not None, self._row_counts, self.mtp)
+        except Exception:
+            if e.graphs is None:
+                raise
+            log.exception("capturing the speculative round for %d lanes failed; it runs uncaptured", b)
+            vs = VerifyStep(e, b, self.k + 1, False, self._row_counts, self.mtp)
+        self.verify[b] = vs
+        return vs
 
     def _picks(self, logits, seqs, spans) -> torch.Tensor:
         """The target's token at every verify row: row i of a lane is drawn as plain decoding draws the lane's

@@ -381,3 +381,20 @@ def test_lane_state_after_rounds_equals_plain_decodings(kinds, demo_artifact, ki
         assert torch.allclose(conv[0], other[0][0], atol=1e-5) and torch.allclose(state[0], other[1][0], atol=1e-5)
     for e in engines:
         e.close()
+
+
+def test_a_failed_capture_falls_back_to_the_uncaptured_round(ckpt, monkeypatch, caplog):
+    """Should capturing the static round fail on a GPU, it runs uncaptured (same results) and the log says so."""
+    from ninfer.runtime import verify_graph
+    _, art = ckpt
+    ps = prompts(9, 13, seed=14)
+    ref = plain(art, ps, 12)
+    eng = engine(art)
+    eng.graphs = object()   # as if the engine captured its decode steps (a GPU)
+
+    def broken(fn, warmup=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(verify_graph, "capture", broken)
+    with caplog.at_level("ERROR", logger="ninfer.speculative"):
+        assert [s.generated for s in eng.generate(ps, max_new=12)] == ref
+    assert eng.spec.verify[2].graph is None and "runs uncaptured" in caplog.text
