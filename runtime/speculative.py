@@ -38,7 +38,9 @@ from .verify_graph import VerifyStep
 
 log = logging.getLogger("ninfer.speculative")
 METHODS = ("mtp", "ngram")
-MAX_SPECULATIVE_TOKENS = 8   # verify steps of up to 8 x 9 tokens stay within the decode-sized routes' reach
+# NInfer takes 1..5 MTP drafts; past 8 a verify step of 8 lanes (72 tokens) is far past where the GEMMs stop costing
+# what one token costs (the GEMV routes end at 16 tokens)
+MAX_SPECULATIVE_TOKENS = 8
 
 
 class SpeculativeConfigError(ValueError):
