@@ -1,7 +1,7 @@
-"""ninfer-serve --speculative-config (MTP) through the official SDKs: greedy answers identical to the plain server's,
-streamed or not, while drafts are rejected (the demo's random MTP layer) and while
-they are accepted (drafts injected from an earlier answer to the same prompt: several tokens a step reach the event
-stream); sampling requests beside them; the spec_decode counters in /metrics."""
+"""ninfer-serve --speculative-config through the official SDKs: greedy answers identical to the plain server's,
+streamed or not, while MTP drafts are rejected (the demo's random MTP layer) and while they are accepted (drafts
+injected from an earlier answer to the same prompt: several tokens a step reach the event stream); n-gram drafts that
+hold on the demo's repeats; seeded sampling requests; the spec_decode counters in /metrics; bad configurations."""
 import pytest
 
 from ninfer.runtime.engine import Engine
