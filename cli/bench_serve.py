@@ -94,13 +94,16 @@ class Server:
     """ninfer-serve in a child process on a free loopback port; stopped (and waited for) on exit."""
 
     def __init__(self, artifact: Path, *, backend: str, max_concurrency: int, max_context: int,
-                 startup_timeout: float, kv_cache_dtype: str = "auto", cache_ram_mib: int = 0):
+                 startup_timeout: float, kv_cache_dtype: str = "auto", cache_ram_mib: int = 0,
+                 speculative_config: str | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "ninfer.cli.serve", str(artifact), "--port", str(self.port),
                     "--backend", backend, "--max-concurrency", str(max_concurrency), "--max-context",
                     str(max_context), "--model-id", "bench", "--kv-cache-dtype", kv_cache_dtype,
                     "--cache-ram", str(cache_ram_mib)]
+        if speculative_config is not None:
+            self.cmd += ["--speculative-config", speculative_config]
         # (ninfer-serve's own prefill chunks: what users get)
         self.startup_timeout = startup_timeout
 
@@ -401,10 +404,14 @@ def _ints(text: str, what: str, lo: int = 1, hi: int | None = None) -> list[int]
               help="after each prefill request, the same request again (TTFT with its logits kept by the prefix cache)")
 @click.option("--cache-ram", "cache_ram_mib", type=click.IntRange(0), default=0, show_default=True,
               help="ninfer-serve's --cache-ram (MiB of host memory for lanes given back)")
+@click.option("--speculative-config", default=None, metavar="JSON",
+              help="ninfer-serve's --speculative-config (e.g. '{\"method\": \"ngram\"}'; an MTP one needs an artifact "
+                   "with an MTP layer). Decode then commits several tokens a step where drafts hold: its roofline "
+                   "fractions count one token's bytes per token")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tokens, backend, peer, workdir,
               resources_from, startup_timeout, kv_cache_dtype, next_turn, shared_system, retry, cache_ram_mib,
-              json_out) -> None:
+              speculative_config, json_out) -> None:
     """Prefill / TTFT and aggregate decode through ninfer-serve over HTTP, beside a transformers peer."""
     import torch
 
@@ -433,11 +440,13 @@ def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tok
         torch.cuda.empty_cache()
     max_context = max(max(prompt_lens) + next_turn + 64, shared_system + 128, decode_prompt) + max_tokens + 64
     with Server(artifact, backend=backend, max_concurrency=max(levels), max_context=max_context,
-                startup_timeout=startup_timeout, kv_cache_dtype=kv_cache_dtype, cache_ram_mib=cache_ram_mib) as srv:
+                startup_timeout=startup_timeout, kv_cache_dtype=kv_cache_dtype, cache_ram_mib=cache_ram_mib,
+                speculative_config=speculative_config) as srv:
         ours = asyncio.run(drive(srv.url, prompt_lens, levels, decode_prompt, max_tokens, next_turn, shared_system,
                                  retry))
     add_rooflines(ours, cfg, fmt, ceilings, kv_element_bytes(kv_cache_dtype))
     result = {"artifact": str(artifact), "weights": fmt, "kv_cache_dtype": kv_cache_dtype, "cache_ram_mib": cache_ram_mib,
+              "speculative_config": speculative_config,
               "backend": "cuda" if gpu else "reference",
               "device": torch.cuda.get_device_name() if gpu else "cpu",
               "ceilings": {"copy_GBps": ceilings[0], "gemm_TFLOPs": ceilings[1]} if ceilings else None,
@@ -449,7 +458,8 @@ def serve_cmd(artifact, shape, fmt, prompts, concurrency, decode_prompt, max_tok
         result |= {"peer": theirs, "ratios": ratios(ours, theirs)}
     where = f"{result['device']}" + (f"; ceilings: copy {ceilings[0]:,.0f} GB/s, bf16 GEMM {ceilings[1]:,.0f} TFLOP/s"
                                      if ceilings else "; no GPU: no roofline fractions")
-    click.echo(f"# ninfer-bench serve: {artifact.name} ({fmt}) on {where}")
+    spec = f", --speculative-config {speculative_config}" if speculative_config else ""
+    click.echo(f"# ninfer-bench serve: {artifact.name} ({fmt}{spec}) on {where}")
     click.echo(table(result))
     if json_out:
         json_out.write_text(json.dumps(result, indent=1))

@@ -55,6 +55,19 @@ def test_serve_bench_against_transformers(demo_artifact, tmp_path):
     assert "decode C=3 tok/s" in r.stdout and "transformers" in r.stdout
 
 
+def test_serve_bench_passes_the_speculative_config(demo_artifact, tmp_path):
+    out = tmp_path / "serve.json"
+    r = run_bench("--artifact", str(demo_artifact), "--prompts", "40", "--concurrency", "2", "--decode-prompt", "30",
+                  "--max-tokens", "12", "--next-turn", "0", "--shared-system", "0", "--no-retry", "--peer", "none",
+                  "--backend", "reference", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                  "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "speculative decoding: ngram, 3 drafts" in r.stderr   # the server's start-up line
+    d = json.loads(out.read_text())
+    assert d["speculative_config"] == '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert [x["completion_tokens"] for x in d["ninfer"]["decode"]] == [[12, 12]]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--concurrency", "9"], "1..8"),
     (["--prompts", "abc"], "comma-separated integers"),
