@@ -73,7 +73,8 @@ for stage in $STAGES; do
           ${BENCH_SPEC:---concurrency 1,8} --json "$OUT/spec-$shape-$method.json" 2>&1 | tee "$OUT/spec-$shape-$method.log"
       done; done
       # through ninfer-serve too (n-gram drafts: whatever the random model's sampled answers repeat), 27B q4, C = 1 and 8
-      timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench serve --weights q4 --prompts 1024 --concurrency 1,8 --peer none \
+      timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench serve --resources-from .carry/demo/demo.ninfer --workdir /tmp/ninfer-bench \
+        --weights q4 --prompts 1024 --concurrency 1,8 --peer none \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' --json "$OUT/spec-serve-ngram.json" \
         2>&1 | tee "$OUT/spec-serve-ngram.log" ;;
     chunk-ab)  # 27B q4 prefill with prefill chunks of 1024, 4096 and 8192 tokens
