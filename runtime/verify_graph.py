@@ -106,7 +106,8 @@ class VerifyStep:
             if j == L - 2:
                 break
             pos = p + 1 + j   # pair (the previous output, draft j) one position on
-            page = self.block_table.gather(1, (pos // ps).unsqueeze(1).long()).squeeze(1)
+            # (clamped: a warm-up's made-up positions stay inside the table; a real round's fit, _verify checks)
+            page = self.block_table.gather(1, (pos // ps).clamp(max=self.width - 1).unsqueeze(1).long()).squeeze(1)
             mstep = Step(positions=pos.int(), token_seq=self.lanes, query_start=self.lane_qs,
                          slot_mapping=torch.where(real, page * ps + pos % ps, -1).int(), block_table=self.block_table,
                          state_slots=self.state_slots, decode=True)
