@@ -59,8 +59,11 @@ def bench_spec(cfg, eng, concurrency: list[int], decode_prompt: int, rounds: int
     import torch
 
     from ninfer.cli.bench import decode_step_bytes, model_figures
+    from ninfer.runtime.decode_graph import DecodeGraphs
     rng = torch.Generator().manual_seed(0)
     fig = model_figures(cfg, decode_prompt, fmt)
+    if eng.cuda_graphs and eng.graphs is None:   # the plain baseline as served: decode steps captured
+        eng.graphs = DecodeGraphs(eng)
     rows = []
     for c in concurrency:
         prompts = [torch.randint(0, eng.domain, (decode_prompt,), generator=rng).tolist() for _ in range(c)]

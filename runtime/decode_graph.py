@@ -42,6 +42,11 @@ def capture(fn, warmup=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def seed32(seed: int) -> int:
+    """A sampling seed as the int32 the sample op takes (its low 32 bits, two's complement)."""
+    return ((seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
+
+
 def count_tokens(counts: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> None:
     """counts[slots[i], ids[i]] += 1 on the counts' device, in one launch and without a host sync (so a decode graph
     captures it): the generated-token counts the sample op's presence / frequency penalties read. Repeated
@@ -74,7 +79,7 @@ class HostStep:
             iv[io["slot_mapping"] + r] = s.pages[p // ps] * ps + p % ps
             iv[io["state_slots"] + r] = s.slot
             iv[io["top_k"] + r] = sp.top_k
-            iv[io["seed"] + r] = ((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000   # as a 32-bit int
+            iv[io["seed"] + r] = seed32(s.seed)
             iv[io["counter"] + r] = s.n_generated + ahead
             iv[io["from_device"] + r] = ahead
             fv[fo["temperature"] + r], fv[fo["top_p"] + r], fv[fo["min_p"] + r] = sp.temperature, sp.top_p, sp.min_p

@@ -16,7 +16,7 @@ import torch
 
 from .artifact import open_artifact
 from .cache import CapacityError, SequenceCache, kv_storage_dtype, plan_kv_pages
-from .decode_graph import DecodeGraphs, count_tokens
+from .decode_graph import DecodeGraphs, count_tokens, seed32
 from .dispatch import backend as make_backend
 from .kv_dtype import KV_CACHE_DTYPES
 from .models import MODELS
@@ -193,7 +193,9 @@ class Engine:
         # generated-token counts per lane (+ the scratch lane graphs warm up on), for the sample op's penalties
         self._counts = torch.zeros(max_seqs + 1, cfg.vocab, dtype=torch.int32, device=self.device)
         self.prefill_chunk = prefill_chunk
-        self.graphs = DecodeGraphs(self) if be.name == "cuda" and cuda_graphs else None
+        self.cuda_graphs = be.name == "cuda" and cuda_graphs
+        # decode steps captured at start-up; a speculative engine decodes through its rounds (captured on first use)
+        self.graphs = DecodeGraphs(self) if self.cuda_graphs and speculative is None else None
         self._ahead: _Ahead | None = None   # a decode step queued for the next decode call (_decode_graphs)
         self.spec = Speculator(self, speculative) if speculative is not None else None
 
@@ -276,7 +278,7 @@ class Engine:
                     temperature=f32([p.temperature for p in sp]), top_k=i32([p.top_k for p in sp]),
                     top_p=f32([p.top_p for p in sp]), min_p=f32([p.min_p for p in sp]),
                     presence=f32([p.presence_penalty for p in sp]), frequency=f32([p.frequency_penalty for p in sp]),
-                    seed=i32([((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000 for s in seqs]),  # 32-bit
+                    seed=i32([seed32(s.seed) for s in seqs]),
                     counter=i32(counters), ids=ids, domain=self.domain)
         return ids
 

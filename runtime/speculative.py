@@ -236,9 +236,9 @@ class Speculator:
             self._row_counts = torch.zeros(e.cache.max_seqs * (self.k + 1), e.cfg.vocab, dtype=torch.int32,
                                            device=e.device)
         try:
-            vs = VerifyStep(e, b, self.k + 1, e.graphs is not None, self._row_counts, self.mtp)
+            vs = VerifyStep(e, b, self.k + 1, e.cuda_graphs, self._row_counts, self.mtp)
         except Exception:
-            if e.graphs is None:
+            if not e.cuda_graphs:
                 raise
             log.exception("capturing the speculative round for %d lanes failed; it runs uncaptured", b)
             vs = VerifyStep(e, b, self.k + 1, False, self._row_counts, self.mtp)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .decode_graph import capture, count_tokens
+from .decode_graph import capture, count_tokens, seed32
 from .models.blocks import Step
 
 # one per row; then per lane the state slot and the number of real drafts, then the [b, width] page table
@@ -129,7 +129,7 @@ class VerifyStep:
             h[io["positions"] + o:io["positions"] + o + L] = pos
             h[io["slot_mapping"] + o:io["slot_mapping"] + o + L] = [s.pages[p // ps] * ps + p % ps for p in pos]
             h[io["top_k"] + o:io["top_k"] + o + L] = sp.top_k
-            h[io["seed"] + o:io["seed"] + o + L] = ((s.seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000   # 32-bit
+            h[io["seed"] + o:io["seed"] + o + L] = seed32(s.seed)
             h[io["counter"] + o:io["counter"] + o + L] = range(s.n_generated, s.n_generated + L)
             h[io["row_slots"] + o:io["row_slots"] + o + L] = s.slot
             for name, v in (("temperature", sp.temperature), ("top_p", sp.top_p), ("min_p", sp.min_p),

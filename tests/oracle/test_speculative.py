@@ -390,7 +390,7 @@ def test_a_failed_capture_falls_back_to_the_uncaptured_round(ckpt, monkeypatch, 
     ps = prompts(9, 13, seed=14)
     ref = plain(art, ps, 12)
     eng = engine(art)
-    eng.graphs = object()   # as if the engine captured its decode steps (a GPU)
+    eng.cuda_graphs = True   # as on a GPU
 
     def broken(fn, warmup=None):
         raise RuntimeError("operation not permitted when stream is capturing")
