@@ -19,9 +19,9 @@ host memory (export_lane's image) within a byte budget, oldest images dropped fi
 serves further than any retained lane brings it back into a lane (import_lane) before the lane is taken. Many more
 conversations than lanes then keep their prefixes.
 
-Speculative decoding: each lane's GDN state is copied aside before a verify step (save_states) so that the lanes whose
-drafts were rejected can be rolled back to it (restore_states) and re-run over the tokens they kept; with MTP drafts,
-the MTP layer's KV lives in the same pages (key "mtp" of `kv`).
+Speculative decoding: a verify step reads its lanes' GDN states and writes none (gdn_verify with commit 0); the
+round's commit advances them over the tokens each lane kept. With MTP drafts, the MTP layer's KV lives in the same
+pages (key "mtp" of `kv`).
 
 Prefix snapshots: a prompt may name a position to snapshot (the server names the end of its first turn, the
 system prompt and tool list that a new conversation repeats). The KV of the tokens before it is copied into pages
@@ -87,7 +87,7 @@ class SequenceCache:
     def __init__(self, cfg: HybridConfig, *, max_seqs: int, max_context: int, page_size: int, device,
                  dtype: torch.dtype, num_pages: int | None = None, kv_dtype: torch.dtype | None = None,
                  prefix_caching: bool = False, prefix_snapshots: int = 0, cache_ram_bytes: int = 0,
-                 speculative: bool = False, mtp: bool = False):
+                 mtp: bool = False):
         self.cfg, self.page_size, self.max_context, self.max_seqs = cfg, page_size, max_context, max_seqs
         self.device = torch.device(device)
         self.pages_per_seq = -(-max_context // page_size)
@@ -117,10 +117,6 @@ class SequenceCache:
         self.snapshot_states = {i: (conv[:prefix_snapshots].clone(), state[:prefix_snapshots].clone())
                                 for i, (conv, state) in self.gdn.items()} if prefix_snapshots else {}
         self.snapshots: dict[tuple, Snapshot] = {}
-        # speculative decoding: each lane's GDN state before its verify step (and the scratch lane's: a captured
-        # verify step warms up on it)
-        self.spec_states = {i: (conv.clone(), state.clone())
-                            for i, (conv, state) in self.gdn.items()} if speculative or mtp else {}
         self.free_snapshot_slots = list(range(prefix_snapshots))
         self.free_pages = list(range(self.num_pages - 1, -1, -1))
         self.free_slots = list(range(max_seqs - 1, -1, -1))
@@ -128,7 +124,7 @@ class SequenceCache:
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for pair in (*self.kv.values(), *self.gdn.values(), *self.checkpoints.values(),
-                                *self.snapshot_states.values(), *self.spec_states.values(), (self.checkpoint_logits,))
+                                *self.snapshot_states.values(), (self.checkpoint_logits,))
                    for t in pair)
 
     def admit(self, total_tokens: int) -> None:
@@ -162,21 +158,6 @@ class SequenceCache:
             self.free_slots.append(slot)
         self.free_pages.extend(reversed(pages))
         pages.clear()
-
-    # -- speculative decoding ----------------------------------------------------------------------------
-    def save_states(self, slots: torch.Tensor) -> None:
-        """Copy the GDN states of lanes `slots` (an index tensor) aside, before a verify step advances them."""
-        slots = slots.long()
-        for i, (conv, state) in self.gdn.items():
-            for aside, t in zip(self.spec_states[i], (conv, state)):
-                aside.index_copy_(0, slots, t.index_select(0, slots))
-
-    def restore_states(self, slots: torch.Tensor) -> None:
-        """Put back the GDN states save_states copied aside, for lanes `slots`."""
-        slots = slots.long()
-        for i, (conv, state) in self.gdn.items():
-            for aside, t in zip(self.spec_states[i], (conv, state)):
-                t.index_copy_(0, slots, aside.index_select(0, slots))
 
     # -- prefix caching --------------------------------------------------------------------------------
     def checkpoint(self, slot: int, logits: torch.Tensor, tokens: int) -> None:
@@ -439,8 +420,7 @@ def _copy_states(dst: dict, di: int, src: dict, si: int) -> None:
 
 def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_context: int, page_size: int,
                   prefill_chunk: int, kv_capacity: str | int = "auto", scratch_bytes: int = 0,
-                  prefix_caching: bool = False, prefix_snapshots: int = 0, speculative: bool = False,
-                  mtp: bool = False) -> int:
+                  prefix_caching: bool = False, prefix_snapshots: int = 0, mtp: bool = False) -> int:
     """KV pages to allocate: every lane at full context when that fits; with `auto` on a GPU, what is left
     after the weights, the GDN states and a workspace reserve. Refuses a context that cannot fit once."""
     pages_per_seq = -(-max_context // page_size)
@@ -451,9 +431,8 @@ def plan_kv_pages(cfg: HybridConfig, device, kv_dtype, max_seqs: int, max_contex
         return want
     attn_layers = sum(cfg.is_attention(i) for i in range(cfg.layers))
     page_bytes = 2 * (attn_layers + mtp) * page_size * cfg.kv_heads * cfg.head_dim * kv_dtype.itemsize
-    # lanes and scratch + checkpoints, snapshots, the states kept aside for speculative verify steps
-    gdn_slots = (max_seqs + 1 + (max_seqs if prefix_caching else 0) + prefix_snapshots
-                 + (max_seqs + 1 if speculative or mtp else 0))
+    # lanes and scratch + checkpoints, snapshots
+    gdn_slots = max_seqs + 1 + (max_seqs if prefix_caching else 0) + prefix_snapshots
     gdn_bytes = (cfg.layers - attn_layers) * gdn_slots * (
         cfg.v_heads * cfg.k_dim * cfg.v_dim * 4 + cfg.conv_channels * (cfg.conv_width - 1) * 2)
     free, _ = torch.cuda.mem_get_info(device)

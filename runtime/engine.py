@@ -181,11 +181,11 @@ class Engine:
             raise EngineError(f"kv_cache_dtype {kv_cache_dtype!r} needs {', '.join(missing)}, which have no kernels "
                               f"for this GPU ({be.device.arch}; the E4M3 conversions need sm_89 or newer): use 'auto'")
         num_pages = plan_kv_pages(cfg, self.device, kv_dtype, max_seqs, max_context, page_size, prefill_chunk,
-                                  kv_capacity, scratch, prefix_caching, prefix_snapshots, speculative is not None, mtp)
+                                  kv_capacity, scratch, prefix_caching, prefix_snapshots, mtp)
         self.cache = SequenceCache(cfg, max_seqs=max_seqs, max_context=max_context, page_size=page_size,
                                    device=self.device, dtype=self.dtype, num_pages=num_pages, kv_dtype=kv_dtype,
                                    prefix_caching=prefix_caching, prefix_snapshots=prefix_snapshots,
-                                   cache_ram_bytes=cache_ram_bytes, speculative=speculative is not None, mtp=mtp)
+                                   cache_ram_bytes=cache_ram_bytes, mtp=mtp)
         try:
             self.model = MODELS[cfg.family](cfg, weights, self.cache)
         except KeyError as e:

@@ -7,6 +7,8 @@ caller. They run on any device: the reference backend uses them on CPU in CI.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -247,6 +249,27 @@ def gdn_decode(x, qkvz, w_ba, conv_w, A_log, dt_bias, norm_w, slots, conv_state,
     return {"y": y.reshape(T, hk, r, dv), "conv_state": conv["conv_state"], "state": rule["state"].reshape(state.shape)}
 
 
+def gdn_verify(x, qkvz, w_ba, conv_w, A_log, dt_bias, norm_w, query_start, slots, commit, conv_state, state, scale,
+               eps, norm_eps):
+    """gdn_decode's composition over each sequence's run of tokens; the states as after each run's first commit[s]
+    tokens (the same ops again over those tokens alone)."""
+    T, (hk, r) = x.shape[0], A_log.shape
+    hv, dk, dv = hk * r, state.shape[3], state.shape[4]
+    qkv, z = qkvz[:, :conv_w.shape[0]], qkvz[:, conv_w.shape[0]:]
+    gates = gdn_gates(linear(x, w_ba.reshape(2 * hv, -1))["y"], A_log.reshape(hv), dt_bias.reshape(hv))
+    flat = state.reshape(-1, hv, dk, dv)
+    conv = gdn_conv(qkv, conv_w, query_start, slots, conv_state)
+    rule = gdn_delta_rule(conv["y"], gates["g"], gates["beta"], query_start, slots, flat, hk, scale, eps)
+    y = gdn_gated_norm(rule["o"], z.reshape(T, hv, dv), norm_w, norm_eps)["y"]
+    n = [min(max(c, 0), b - a) for c, (a, b, _) in zip(commit.tolist(), _sequences(query_start, slots))]
+    rows = torch.tensor([a + i for c, (a, _, _) in zip(n, _sequences(query_start, slots)) for i in range(c)],
+                        dtype=torch.long, device=x.device)
+    runs = torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+    kept = gdn_conv(qkv[rows], conv_w, runs, slots, conv_state)
+    after = gdn_delta_rule(kept["y"], gates["g"][rows], gates["beta"][rows], runs, slots, flat, hk, scale, eps)
+    return {"y": y.reshape(T, hk, r, dv), "conv_state": kept["conv_state"], "state": after["state"].reshape(state.shape)}
+
+
 def moe_router(x, w):
     # fp32 (fp64 stays fp64) and never rounded to the run dtype: the top-k reading these logits flips on
     # differences below one bf16 ulp
@@ -375,5 +398,5 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
 REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, sigmoid_gate_add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
                                       linear_swiglu, attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split,
                                       kv_cache_write_fp8, paged_attention_fp8, paged_attention_split_fp8, merge_attn_states, gdn_conv, gdn_gates,
-                                      gdn_delta_rule, gdn_gated_norm, gdn_decode, moe_router, moe_topk, moe_router_topk, moe_experts, moe_align, moe_sum,
+                                      gdn_delta_rule, gdn_gated_norm, gdn_decode, gdn_verify, moe_router, moe_topk, moe_router_topk, moe_experts, moe_align, moe_sum,
                                       sigmoid_gate_add, argmax, sample)}

@@ -12,16 +12,16 @@ decoding produces (with a seed, the same draws). For a draft that is one token (
 when the target's draw equals it is rejection sampling as in Leviathan et al.: kept with probability p(d), and
 otherwise a draw from p without d.
 The verify step writes KV at every position it ran (positions past the accepted ones are rewritten before any step
-reads them) and advances each lane's GDN state over all K + 1 tokens: lanes that kept fewer get the state saved
-before the step back and re-run the conv and delta rule over the tokens they kept (GatedDeltaNet.replay). Then the
-MTP layer reads (the target's final-normed hidden h_t, token t+1) for each kept token, which extends its own KV, and
-its last row drafts the next round's first token; K - 1 further MTP steps each pair the previous MTP output with the
-draft it chose. Prefill runs the MTP layer over every prompt chunk too (its KV at every prompt position). N-gram drafts
+reads them) and runs each GDN layer as one gdn_verify, which reads the lanes' states and writes none; the round then
+commits: gdn_verify again over the same inputs, each lane's states advanced over the tokens it kept (commit_round).
+Then the MTP layer reads (the target's final-normed hidden h_t, token t+1) for each kept token, which extends its own
+KV, and its last row drafts the next round's first token; K - 1 further MTP steps each pair the previous MTP output
+with the draft it chose. Prefill runs the MTP layer over every prompt chunk too (its KV at every prompt position). N-gram drafts
 come from an index of the sequence's n-grams, updated as tokens are committed.
 
-A round is a CUDA-graph replay (verify_graph.py: verify, the draws, acceptance count, rollback, MTP steps; fewer n-gram
-drafts are padded and never accepted) unless, with MTP, a lane near its end verifies fewer than K drafts; such rounds,
-and a lane that finishes inside a round (kept fewer tokens than it accepted), are launched op by op.
+A round is a CUDA-graph replay (verify_graph.py: verify, the draws, acceptance count, commit, MTP steps; fewer n-gram
+drafts are padded and never accepted; a lane keeps no rows past an accepted stop token) unless, with MTP, a lane near
+its end verifies fewer than K drafts; such rounds are launched op by op.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .decode_graph import count_tokens
+from .models.blocks import commit_round
 from .verify_graph import VerifyStep
 
 log = logging.getLogger("ninfer.speculative")
@@ -148,15 +149,15 @@ class Speculator:
 
     # -- a round -----------------------------------------------------------------------------------
     def round(self, seqs) -> None:
-        """Verify each sequence's drafts, commit what holds (1..K+1 tokens each), roll back the GDN state of lanes
-        that kept fewer tokens than they ran, and draft the next round."""
+        """Verify each sequence's drafts, commit what holds (1..K+1 tokens each; the lanes' GDN states advanced over
+        them), and draft the next round."""
         e = self.engine
         for seq in seqs:   # drafts the lane may still use: within max_new, the context and the free pages
             seq.drafts = seq.drafts[:self._budget(seq)]
         spans = [(len(s.tokens) - 1, len(s.tokens) + len(s.drafts)) for s in seqs]
-        targets, normed, keep, proposed, static = self._verify(seqs, spans)
-        kept, ran, committed = [], [], []
-        for seq, (a, b), t in zip(seqs, spans, targets):
+        targets, normed, pending, proposed = self._verify(seqs, spans)
+        kept, committed = [], []
+        for seq, t in zip(seqs, targets):
             drafts = seq.drafts
             n = 0
             while n < len(drafts) and drafts[n] == t[n]:
@@ -175,14 +176,13 @@ class Speculator:
                 if seq.finish_reason is not None:
                     break
             kept.append(m)
-            # the tokens the lane's GDN state has now run: all of the step's, or (a static round's rollback) n + 1
-            ran.append(n + 1 if static else b - a)
             seq.drafts = []
         slots, toks = zip(*committed)   # the penalties' counts, as plain decoding adds them
         count_tokens(e._counts, torch.tensor(slots, dtype=torch.int32, device=e.device),
                      torch.tensor(toks, dtype=torch.int32, device=e.device))
-        if keep is not None:
-            self._roll_back(seqs, spans, kept, ran, keep)
+        if pending is not None:   # an op-by-op verify step: its GDN states advanced over the tokens kept
+            commit_round(e.be, pending.keep, pending.query_start, pending.state_slots,
+                         torch.tensor(kept, dtype=torch.int32, device=e.device))
         live = [(i, s) for i, s in enumerate(seqs) if s.finish_reason is None and self._budget(s) > 0]
         if live and not self.mtp:
             self._ngram([s for _, s in live])
@@ -201,10 +201,10 @@ class Speculator:
             self._draft(lanes, out.index_select(0, ends))
 
     def _verify(self, seqs, spans):
-        """Run the verify step: (the target's token at each lane's rows, the final-normed hidden of every row, the GDN
-        layers' recorded inputs (None when no lane has drafts: nothing to roll back), each lane's next drafts when the
-        step made them (else None), whether it was a VerifyStep). A VerifyStep (replayed) when (with MTP) every lane has
-        all K drafts and the positions it writes fit; else op by op."""
+        """Run the verify step: (the target's token at each lane's rows, the final-normed hidden of every row, the step
+        when its commit is still to run (else None: no lane had drafts, or a static round committed on the device),
+        each lane's next drafts when the step made them (else None)). A VerifyStep (replayed) when (with MTP) every
+        lane has all K drafts and the positions it writes fit; else op by op."""
         e, cache = self.engine, self.engine.cache
         # the positions the step writes (its K + 1 rows; the MTP draft steps' K - 1 more), + 1: within what the lane
         # may ever hold (prompt + max_new, the pages a scheduler reserves for it), so near its end a lane's rounds run
@@ -219,14 +219,15 @@ class Speculator:
                 cache.grow(s.pages, r)
             vs = self.verify.get(len(seqs)) or self._verify_step(len(seqs))
             targets, drafts = vs.run(seqs)
-            return targets, vs.normed, vs.keep, drafts, True
+            return targets, vs.normed, None, drafts
         ids, step, rows = e._inputs(seqs, spans, all_rows=True)
-        if any(s.drafts for s in seqs):
-            cache.save_states(step.state_slots)
-            step.keep = []
+        pending = None
+        if any(s.drafts for s in seqs):   # the GDN states read, not written (gdn_verify): the commit follows
+            step.keep, step.commit = [], torch.zeros(len(seqs), dtype=torch.int32, device=e.device)
+            pending = step
         logits, normed = e.model.forward(e.be, ids, step, rows, normed=True)
         picks, qs = self._picks(logits, seqs, spans).tolist(), np.cumsum([0] + [b - a for a, b in spans])
-        return [picks[qs[i]:qs[i + 1]] for i in range(len(seqs))], normed, step.keep, None, False
+        return [picks[qs[i]:qs[i + 1]] for i in range(len(seqs))], normed, pending, None
 
     def _verify_step(self, b: int) -> VerifyStep:
         """The static round for b lanes, made on first use: captured as a CUDA graph where the engine captures its
@@ -260,22 +261,6 @@ class Speculator:
                 counts.index_put_((torch.tensor(r, device=e.device), torch.tensor(d, device=e.device)),
                                   torch.ones(len(at), dtype=counts.dtype, device=e.device), accumulate=True)
         return e._choose(logits, [s for s, _ in rows], [s.n_generated + i for s, i in rows], counts)
-
-    def _roll_back(self, seqs, spans, kept, ran, keep) -> None:
-        """Lanes that kept fewer tokens than their GDN state ran: their saved GDN states back, then the kept tokens'
-        conv and delta rule again (from the inputs the step recorded in `keep`)."""
-        short = [i for i, (m, r) in enumerate(zip(kept, ran)) if m < r]
-        if not short:
-            return
-        e = self.engine
-        qs = np.cumsum([0] + [b - a for a, b in spans])
-        slots = torch.tensor([seqs[i].slot for i in short], dtype=torch.int32, device=e.device)
-        e.cache.restore_states(slots)
-        idx = torch.tensor(np.concatenate([np.arange(qs[i], qs[i] + kept[i]) for i in short]), device=e.device)
-        query_start = torch.tensor(np.cumsum([0] + [kept[i] for i in short]), dtype=torch.int32, device=e.device)
-        for mixer, mixed, g, beta in keep:
-            mixer.replay(e.be, mixed.index_select(0, idx), g.index_select(0, idx), beta.index_select(0, idx),
-                         query_start, slots)
 
     # -- the MTP layer ---------------------------------------------------------------------------------
     def _mtp(self, seqs, spans, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,25 +4,26 @@ several hundred launches as one), elsewhere run as it is.
 It serves every round but those with fewer MTP drafts than K near a lane's end; a lane with fewer n-gram drafts than
 K has its rows padded and its count bounds what the step accepts. A round fills the buffers with two pinned host-to-device copies (the lanes' last tokens and drafts,
 positions, KV slots, each row's sampling parameters and counter, state slots, page tables), replays, and reads back
-the target's token at every row and the next round's drafts. Inside: the GDN states copied aside
-(SequenceCache.save_states), the verify forward, every row's token drawn by the sample op (argmax at temperature 0;
-penalty counts per row: the lane's generated tokens and the drafts before the row), the drafts each lane keeps (counted on the device), the GDN states put back and
-advanced over the kept rows (GatedDeltaNet.replay with masked gates: every lane, every round), the MTP layer over every row's pair (the row's
-final-normed hidden, the target's token at the row: for the kept rows exactly the committed tokens; the rows after
-them write MTP KV at positions the next round rewrites before reading), its output at each lane's last kept row, and
-K argmaxes with K - 1 MTP steps between them at positions from the device. The final-normed hidden and the inputs
-each GDN layer recorded (what a rollback re-runs) stay in the step's buffers until the next replay.
+the target's token at every row and the next round's drafts. Inside: the verify forward (each GDN layer one
+gdn_verify that reads the lanes' states and writes none), every row's token drawn by the sample op (argmax at
+temperature 0; penalty counts per row: the lane's generated tokens and the drafts before the row), the drafts each
+lane keeps (counted on the device), the commit (gdn_verify again, each lane's states advanced over its kept rows: n + 1,
+or up to an accepted stop token), the MTP layer over every row's pair (the row's final-normed hidden, the target's
+token at the row: for the kept rows exactly the committed tokens; the rows after them write MTP KV at positions the
+next round rewrites before reading), its output at each lane's last kept row, and K argmaxes with K - 1 MTP steps
+between them at positions from the device. The final-normed hidden stays in the step's buffers until the next replay.
 """
 from __future__ import annotations
 
 import torch
 
 from .decode_graph import capture, count_tokens, seed32
-from .models.blocks import Step
+from .models.blocks import Step, commit_round
 
-# one per row; then per lane the state slot and the number of real drafts, then the [b, width] page table
+# one per row; then per lane the state slot, the number of real drafts and the rows it keeps at most (up to its first
+# draft that is a stop token: the lane ends there), then the [b, width] page table
 _FIELDS = ("ids", "positions", "slot_mapping", "top_k", "seed", "counter", "row_slots")
-_LANE_FIELDS = ("state_slots", "ndrafts")
+_LANE_FIELDS = ("state_slots", "ndrafts", "stop_at")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency")
 
 
@@ -64,21 +65,22 @@ class VerifyStep:
         pairs = [(r * length + i, r * length + j) for r in range(b) for i in range(1, length) for j in range(1, i + 1)]
         self.pair_rows = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=dev)
         self.pair_drafts = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dev)
-        self.normed, self.keep = None, None
+        self.no_commit = torch.zeros(b, dtype=torch.int32, device=dev)   # the verify's gdn_verify writes no state
+        self.normed = None
         self.graph = None
         if graph:   # warm-up and capture write nothing real: no KV (slot -1), GDN state in the scratch slot
             self.f["slot_mapping"].fill_(-1)
             self.state_slots.fill_(cache.max_seqs)
+            self.f["stop_at"].fill_(length)
             self.f["top_p"].fill_(1.0)
             self.graph = capture(self._body)
 
     def _body(self) -> None:
         e, b, L = self.engine, self.b, self.length
-        self.keep = []
+        keep = []
         step = Step(positions=self.f["positions"], token_seq=self.token_seq, query_start=self.query_start,
                     slot_mapping=self.f["slot_mapping"], block_table=self.block_table, state_slots=self.state_slots,
-                    decode=L == 1, keep=self.keep)
-        e.cache.save_states(self.state_slots)
+                    keep=keep, commit=self.no_commit)
         logits, self.normed = e.model.forward(e.be, self.f["ids"], step, self.rows, normed=True)
         f = self.f
         self.counts.copy_(e._counts.index_select(0, f["row_slots"]))   # the lane's generated tokens, + its drafts
@@ -90,11 +92,8 @@ class VerifyStep:
         t, fed = self.out.view(b, L), self.f["ids"].view(b, L)
         real_draft = torch.arange(L - 1, device=t.device)[None, :] < self.f["ndrafts"][:, None]
         n = ((fed[:, 1:] == t[:, :-1]) & real_draft).int().cumprod(1).sum(1)
-        # each lane's GDN states back to before the step, then advanced over the n + 1 rows it keeps (a lane that
-        # finishes inside the round keeps fewer: the engine fixes it up op by op)
-        e.cache.restore_states(self.state_slots)
-        for mixer, mixed, g, beta in self.keep:
-            mixer.replay(e.be, mixed, g, beta, self.query_start, self.state_slots, kept=n + 1)
+        # the commit: each lane's GDN states advanced over the rows it keeps, n + 1 or up to an accepted stop token
+        commit_round(e.be, keep, self.query_start, self.state_slots, torch.minimum(n + 1, self.f["stop_at"]).int())
         if not self.mtp:
             return
         last = e.model.mtp(e.be, self.out, self.normed, step).index_select(0, self.lanes * L + n)
@@ -135,8 +134,10 @@ class VerifyStep:
             for name, v in (("temperature", sp.temperature), ("top_p", sp.top_p), ("min_p", sp.min_p),
                             ("presence", sp.presence_penalty), ("frequency", sp.frequency_penalty)):
                 hf[fo[name] + o:fo[name] + o + L] = v
-            h[len(_FIELDS) * st + r] = s.slot
-            h[len(_FIELDS) * st + self.lane_stride + r] = len(s.drafts)
+            lo = len(_FIELDS) * st + r
+            h[lo] = s.slot
+            h[lo + self.lane_stride] = len(s.drafts)
+            h[lo + 2 * self.lane_stride] = next((j for j, d in enumerate(s.drafts, 1) if d in s.stop_ids), L)
             table[r, :len(s.pages)] = s.pages
         self.ints.copy_(self.host, non_blocking=True)
         self.floats.copy_(self.host_floats, non_blocking=True)

@@ -26,9 +26,10 @@ class Step:
     block_table: torch.Tensor    # [S, MB] i32 KV pages of each sequence
     state_slots: torch.Tensor    # [S] i32 GDN state slot of each sequence
     decode: bool = False         # every sequence has exactly one token (T == S): fused decode ops apply
-    # a speculative verify step: each GDN layer appends (itself, its conv input, g, beta) so that the engine can
-    # re-run the recurrences of lanes whose drafts were rejected (GatedDeltaNet.replay)
+    # a speculative verify step: GDN layers run gdn_verify with `commit` ([S] zeros: the states read, none written)
+    # and append (themselves, their input, its [q|k|v|z] projection) to `keep` for the round's commit (commit_round)
     keep: list | None = None
+    commit: torch.Tensor | None = None
 
 
 def new(like: torch.Tensor, *shape, dtype=None) -> torch.Tensor:
@@ -309,6 +310,8 @@ class GatedDeltaNet:
     def __call__(self, be, x, step: Step):
         if step.decode:
             return self.decode(be, x, step)
+        if step.keep is not None:
+            return self.verify(be, x, step)
         c = self.cfg
         T = x.shape[0]
         mixed, z = self._qkv_z(be, x)
@@ -318,8 +321,6 @@ class GatedDeltaNet:
                conv_state=self.conv_state, y=qkv)
         g, beta = new(x, T, c.v_heads, dtype=torch.float32), new(x, T, c.v_heads, dtype=torch.float32)
         be.run("gdn_gates", ba=ba, A_log=self.A_log, dt_bias=self.dt_bias, g=g, beta=beta)
-        if step.keep is not None:
-            step.keep.append((self, mixed, g, beta))
         o = self._delta_rule(be, qkv, g, beta, step.query_start, step.state_slots)
         y = torch.empty_like(o)
         be.run("gdn_gated_norm", o=o, z=z.view(T, c.v_heads, c.v_dim), w=self.norm, y=y, eps=c.eps)
@@ -332,39 +333,43 @@ class GatedDeltaNet:
                num_k_heads=c.k_heads, scale=c.k_dim ** -0.5)
         return o
 
-    def replay(self, be, mixed, g, beta, query_start, slots, kept: torch.Tensor | None = None) -> None:
-        """Advance the states of lanes `slots` over tokens a verify step kept (Step.keep: the conv input and gates of
-        each), from the states saved before it: conv and delta rule again, outputs dropped. With `kept` (each lane's
-        count, on the device) the rows are all the step's, the same count for every lane (static shapes: a CUDA
-        graph): rows past a lane's count leave its recurrent state as it is (g = 0, beta = 0: S = 1·S + k ⊗ 0), and
-        its conv state is taken from the window at the kept rows."""
-        qkv = torch.empty_like(mixed)
-        if kept is not None:
-            b, L = kept.shape[0], mixed.shape[0] // kept.shape[0]
-            live = (torch.arange(L, device=kept.device)[None, :] < kept[:, None]).reshape(-1, 1)
-            g, beta = torch.where(live, g, 0.0), torch.where(live, beta, 0.0)
-            w = self.conv_state.shape[2]   # the conv state holds the last w inputs, newest last
-            window = torch.cat([self.conv_state.index_select(0, slots.long()).transpose(1, 2),
-                                mixed.view(b, L, -1)], 1)
-            at = (kept[:, None] + torch.arange(w, device=kept.device)[None, :]).long()
-            conv = window.gather(1, at[:, :, None].expand(-1, -1, window.shape[2])).transpose(1, 2)
-        be.run("gdn_conv", x=mixed, w=self.conv, query_start=query_start, slots=slots, conv_state=self.conv_state,
-               y=qkv)
-        if kept is not None:
-            self.conv_state.index_copy_(0, slots.long(), conv.contiguous())
-        self._delta_rule(be, qkv, g, beta, query_start, slots)
+    def _fused(self, x, qkvz, slots, T) -> tuple[dict, torch.Tensor]:
+        """The arguments gdn_decode and gdn_verify share, and their output y [T, HV·DV]."""
+        c = self.cfg
+        hk, r = c.k_heads, c.v_heads // c.k_heads
+        y = new(x, T, c.v_heads * c.v_dim)
+        return dict(x=x, qkvz=qkvz, w_ba=self.in_ba.view(2, hk, r, -1), conv_w=self.conv, A_log=self.A_log.view(hk, r),
+                    dt_bias=self.dt_bias.view(hk, r), norm_w=self.norm, slots=slots, conv_state=self.conv_state,
+                    state=self.state.view(-1, hk, r, c.k_dim, c.v_dim), y=y.view(T, hk, r, c.v_dim),
+                    scale=c.k_dim ** -0.5, norm_eps=c.eps), y
 
     def decode(self, be, x, step: Step):
         """One token per sequence: b/a, conv, gates, delta rule and gated norm are one gdn_decode launch."""
-        c = self.cfg
-        T, hk, r = x.shape[0], c.k_heads, c.v_heads // c.k_heads
-        y = new(x, T, c.v_heads * c.v_dim)
-        be.run("gdn_decode", x=x, qkvz=self._qkvz(be, x), w_ba=self.in_ba.view(2, hk, r, -1),
-               conv_w=self.conv, A_log=self.A_log.view(hk, r), dt_bias=self.dt_bias.view(hk, r), norm_w=self.norm,
-               slots=step.state_slots, conv_state=self.conv_state,
-               state=self.state.view(-1, hk, r, c.k_dim, c.v_dim), y=y.view(T, hk, r, c.v_dim),
-               scale=c.k_dim ** -0.5, norm_eps=c.eps)
+        args, y = self._fused(x, self._qkvz(be, x), step.state_slots, x.shape[0])
+        be.run("gdn_decode", **args)
         return linear(be, y, self.out)
+
+    def verify(self, be, x, step: Step):
+        """A speculative verify step (a run of tokens a lane): the mixer as one gdn_verify launch that reads the
+        states and writes none (step.commit: zeros); the round's commit runs it again over the tokens kept."""
+        qkvz = self._qkvz(be, x)
+        step.keep.append((self, x, qkvz))
+        args, y = self._fused(x, qkvz, step.state_slots, x.shape[0])
+        be.run("gdn_verify", **args, query_start=step.query_start, commit=step.commit)
+        return linear(be, y, self.out)
+
+    def commit(self, be, x, qkvz, query_start, slots, kept) -> None:
+        """Advance the states of lanes `slots` over the first kept[s] tokens of their verify step's runs (x and qkvz
+        as the step recorded them); y is dropped."""
+        args, _ = self._fused(x, qkvz, slots, x.shape[0])
+        be.run("gdn_verify", **args, query_start=query_start, commit=kept)
+
+
+def commit_round(be, keep: list, query_start, slots, kept) -> None:
+    """A speculative round's commit in every GDN layer its verify step recorded (Step.keep): each lane's state
+    advanced over the kept[s] tokens it keeps of its run."""
+    for mixer, x, qkvz in keep:
+        mixer.commit(be, x, qkvz, query_start, slots, kept)
 
 
 class DenseMLP:
