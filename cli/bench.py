@@ -64,6 +64,9 @@ CASES = [
     # the fused GDN decode step of T sequences: 27B, then 35B-A3B
     ("gdn_decode", {"H": 5120, "HK": 16, "R": 3, "DK": 128, "DV": 128}, [1, 2, 4, 8]),
     ("gdn_decode", {"H": 2048, "HK": 16, "R": 2, "DK": 128, "DV": 128}, [1, 2, 4, 8]),
+    # a speculative verify step's GDN mixer: T tokens in runs of 4 (1, 2, 8 lanes at K = 3), each run committed
+    ("gdn_verify", {"H": 5120, "HK": 16, "R": 3, "DK": 128, "DV": 128}, [4, 8, 32]),
+    ("gdn_verify", {"H": 2048, "HK": 16, "R": 2, "DK": 128, "DV": 128}, [4, 32]),
     # T <= 64: T sequences at ATTN_CONTEXT (decode); 4096: the second chunk of an 8K prompt (prefill)
     ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 2, 4, 8, 4096]),
     ("paged_attention", {"NH": 16, "NKV": 2, "D": 256, "BS": 16}, [1, 2, 4096]),
@@ -146,7 +149,7 @@ def _time_graph(torch, plans, reps: int, launches: int = 20) -> float:
 
 
 OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5},
-             "paged_attention_split": {"scale": 256 ** -0.5}, "gdn_decode": {"scale": 128 ** -0.5},
+             "paged_attention_split": {"scale": 256 ** -0.5}, "gdn_decode": {"scale": 128 ** -0.5}, "gdn_verify": {"scale": 128 ** -0.5},
              "paged_attention_fp8": {"scale": 256 ** -0.5}, "paged_attention_split_fp8": {"scale": 256 ** -0.5},
              "attn_qk_prep": {"theta": 1.0e7, "rotary_dim": 64}, "argmax": {"domain": 248077},
              "sample": {"domain": 248077}}

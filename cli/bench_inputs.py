@@ -3,9 +3,12 @@ valid layout, real-looking routing and gates), sets of them that rotate so that 
 and the bytes and FLOPs the op must move and do (the roofline of each figure)."""
 from __future__ import annotations
 
+import itertools
+
 ATTN_CONTEXT = 8192
 ATTN_DECODE_MAX_T = 64   # paged_attention inputs: up to this T a decode step of T sequences, above it a prefill chunk
 GDN_K_HEADS = 16
+VERIFY_RUN = 4   # gdn_verify inputs: runs of a verify step's K + 1 tokens a lane (NInfer's MTP3: K = 3)
 L2_BYTES = 60 << 20
 
 
@@ -47,7 +50,7 @@ def op_bytes(op, tensors, dims) -> int:
         else:   # the grouped ops: the experts moe_align gave pairs to
             chosen = int((tensors["offsets"].diff(prepend=tensors["offsets"].new_zeros(1)) > 0).sum()) if per_expert else 0
         return chosen * per_expert + acts
-    if op == "gdn_decode":  # the recurrent and conv states are read and written back
+    if op in ("gdn_decode", "gdn_verify"):  # the recurrent and conv states are read and written back
         return sum(t.numel() * t.element_size() for t in tensors.values()) + sum(
             tensors[k].numel() * tensors[k].element_size() for k in ("state", "conv_state"))
     if op == "sample":  # without penalties the counts are not read
@@ -87,6 +90,8 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         return _make_attention(torch, dims, rng, op)
     if op == "gdn_decode":
         return _make_gdn_decode(torch, dims, rng)
+    if op == "gdn_verify":
+        return _make_gdn_verify(torch, dims, rng)
     if op == "sample":
         return _make_sample(torch, dims, rng)
     if is_expert_op(op):
@@ -187,6 +192,22 @@ def _make_gdn_decode(torch, dims, rng):
             "A_log": randn(hk, r), "dt_bias": randn(hk, r), "norm_w": (randn(dv, scale=0.5) + 1).bfloat16(),
             "slots": torch.randperm(T, device=dev, generator=rng).int(), "conv_state": randn(T, C, 3).bfloat16(),
             "state": randn(T, hk, r, dk, dv, scale=0.5), "y": torch.empty(T, hk, r, dv, device=dev, dtype=torch.bfloat16)}
+
+
+def _make_gdn_verify(torch, dims, rng):
+    """The T tokens of a verify step in runs of VERIFY_RUN (the last one shorter), one sequence a run, each committing
+    its whole run: the round's commit, which writes the states (the verify itself reads them only)."""
+    T = dims["T"]
+    runs = [min(VERIFY_RUN, T - a) for a in range(0, T, VERIFY_RUN)]
+    ts = _make_gdn_decode(torch, {**dims, "T": len(runs)}, rng)
+    dev, hk, r, dv = rng.device, dims["HK"], dims["R"], dims["DV"]
+    H, CZ = ts["x"].shape[1], ts["qkvz"].shape[1]
+    ts |= {"x": torch.randn(T, H, device=dev, generator=rng).bfloat16(),
+           "qkvz": torch.randn(T, CZ, device=dev, generator=rng).bfloat16(),
+           "query_start": torch.tensor([0, *itertools.accumulate(runs)], dtype=torch.int32, device=dev),
+           "commit": torch.tensor(runs, dtype=torch.int32, device=dev),
+           "y": torch.empty(T, hk, r, dv, device=dev, dtype=torch.bfloat16)}
+    return ts
 
 
 def _make_attention(torch, dims, rng, op):

@@ -25,10 +25,12 @@ from pathlib import Path
 import click
 
 GRID = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-# Ops the model runs only for decode steps (T sequences of one token): timed at those T, whatever --grid says;
-# the last point's winner owns the rest of T (models/blocks.py: flash decoding up to ATTN_SPLIT_MAX_T = 8).
-OP_GRIDS = {"gdn_decode": (1, 2, 3, 4, 5, 8, 9, 16, 32, 64), "paged_attention_split": (1, 2, 3, 4, 5, 8),
-            "paged_attention_split_fp8": (1, 2, 3, 4, 5, 8), "merge_attn_states": (1, 2, 3, 4, 5, 8)}
+# Ops the model runs only for decode steps (T sequences of one token; gdn_verify: a speculative verify step's T
+# tokens, K + 1 a lane): timed at those T, whatever --grid says; the last point's winner owns the rest of T
+# (models/blocks.py: flash decoding up to ATTN_SPLIT_MAX_T = 8).
+OP_GRIDS = {"gdn_decode": (1, 2, 3, 4, 5, 8, 9, 16, 32, 64), "gdn_verify": (1, 2, 4, 8, 12, 16, 32, 36, 64),
+            "paged_attention_split": (1, 2, 3, 4, 5, 8), "paged_attention_split_fp8": (1, 2, 3, 4, 5, 8),
+            "merge_attn_states": (1, 2, 3, 4, 5, 8)}
 SKIP_FACTOR = 4
 
 
@@ -165,7 +167,8 @@ def layer_problems(cfg) -> list[tuple[str, dict]]:
 
 def mixer_problems(cfg, page_size: int = 16) -> list[tuple[str, dict]]:
     """The token mixers' ops with several routes: GDN's prefill conv ({C, KW}), delta rule ({HV, DK, DV}: one
-    sequence of T tokens) and gated norm ({HV, DV}) and its fused decode step ({H, HK, R, DK, DV}); the attention's
+    sequence of T tokens) and gated norm ({HV, DV}), its fused decode step and speculative verify step ({H, HK, R, DK,
+    DV}; the verify's T tokens in runs of a lane's K + 1); the attention's
     q/k norm and RoPE ({NH, NKV, D}) and its paged attention of prefill and decode with the flash-decoding pair
     ({NH, NKV, D, BS} at the engine's page size; merge_attn_states {NH, D}), over either KV cache (the _fp8 ops:
     --kv-cache-dtype fp8)."""
@@ -173,8 +176,8 @@ def mixer_problems(cfg, page_size: int = 16) -> list[tuple[str, dict]]:
     if not all(cfg.is_attention(i) for i in range(cfg.layers)):
         out += [("gdn_conv", {"C": cfg.conv_channels, "KW": cfg.conv_width}),
                 ("gdn_delta_rule", {"HV": cfg.v_heads, "DK": cfg.k_dim, "DV": cfg.v_dim}),
-                ("gdn_decode", {"H": cfg.hidden, "HK": cfg.k_heads, "R": cfg.v_heads // cfg.k_heads,
-                                "DK": cfg.k_dim, "DV": cfg.v_dim}),
+                *((op, {"H": cfg.hidden, "HK": cfg.k_heads, "R": cfg.v_heads // cfg.k_heads, "DK": cfg.k_dim,
+                        "DV": cfg.v_dim}) for op in ("gdn_decode", "gdn_verify")),
                 ("gdn_gated_norm", {"HV": cfg.v_heads, "DV": cfg.v_dim})]
     if any(cfg.is_attention(i) for i in range(cfg.layers)):
         attn = {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim, "BS": page_size}

@@ -6,6 +6,8 @@ from ninfer.cli.bench import omit_launches
 from ninfer.cli.bench_inputs import SAMPLING, _make_moe, by_name, make_inputs, moe_sets, op_bytes
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.formats import nbytes
+from ninfer.runtime.manifest import Manifest
+from ninfer.runtime.tolerance import compare
 
 DIMS = {"T": 3, "H": 128, "E": 16, "I": 64, "K": 4}
 
@@ -111,6 +113,36 @@ def test_gdn_decode_inputs_run_and_count_the_states_twice():
     once = sum(t.numel() * t.element_size() for t in ts.values())
     states = sum(ts[k].numel() * ts[k].element_size() for k in ("state", "conv_state"))
     assert op_bytes("gdn_decode", ts, dims) == once + states
+
+
+PRESET = Manifest.load().tolerances["gdn_state_fp32"]
+
+
+def test_gdn_verify_inputs_are_runs_that_commit_and_run():
+    """A verify step's T tokens as runs of VERIFY_RUN, one slot each, every run committed (the states written: bytes
+    count them twice); the reference's y equals gdn_decode's over the same tokens one step at a time."""
+    be = ReferenceBackend()
+    dims = {"T": 6, "H": 64, "HK": 2, "R": 2, "DK": 32, "DV": 32}
+    ts = make_inputs(torch, be.contract("gdn_verify"), "bf16", dict(dims), torch.Generator().manual_seed(0), "gdn_verify")
+    assert ts["query_start"].tolist() == [0, 4, 6] and ts["commit"].tolist() == [4, 2]
+    assert sorted(ts["slots"].tolist()) == [0, 1] and ts["x"].shape == (6, 64)
+    before = {k: ts[k].clone() for k in ("state", "conv_state")}
+    be.run("gdn_verify", **ts, scale=32 ** -0.5)
+    assert torch.isfinite(ts["y"].float()).all() and not torch.equal(ts["state"], before["state"])
+    once = sum(t.numel() * t.element_size() for t in ts.values())
+    states = sum(ts[k].numel() * ts[k].element_size() for k in ("state", "conv_state"))
+    assert op_bytes("gdn_verify", ts, dims) == once + states
+    steps = {**ts, **{k: v.clone() for k, v in before.items()}}
+    for i in range(4):   # decode step i: token i of each run that has one
+        rows = [r for r, (a, b) in enumerate([(0, 4), (4, 6)]) if a + i < b]
+        tok = torch.tensor([(0, 4)[r] + i for r in rows])
+        y = torch.empty(len(rows), 2, 2, 32, dtype=torch.bfloat16)
+        be.run("gdn_decode", x=ts["x"][tok], qkvz=ts["qkvz"][tok], w_ba=ts["w_ba"], conv_w=ts["conv_w"],
+               A_log=ts["A_log"], dt_bias=ts["dt_bias"], norm_w=ts["norm_w"], slots=ts["slots"][rows],
+               conv_state=steps["conv_state"], state=steps["state"], y=y, scale=32 ** -0.5)
+        assert compare(y, ts["y"][tok], PRESET, f"y of step {i}")
+    assert torch.equal(steps["conv_state"], ts["conv_state"])
+    assert compare(steps["state"], ts["state"], PRESET, "state")   # (b/a from a [1, H] or [4, H] product: not bitwise)
 
 
 def test_gdn_prefill_inputs_are_one_sequence_and_run():

@@ -90,7 +90,7 @@ def test_model_problems_are_the_linear_shapes_and_the_norms():
     assert {("linear_q4", 10240), ("linear_q4", 6144), ("linear", 10240), ("linear", 6144)} <= \
         {(op, p["N"]) for op, p in got if op.startswith("linear") and "N" in p and p["K"] == 5120}
     assert {op for op, _ in got} == {"linear", "linear_q4", "linear_swiglu_q4", "add_rms_norm_zc", "rms_norm_zc", "gdn_conv", "gdn_delta_rule",
-                                     "gdn_gated_norm", "gdn_decode", "attn_qk_prep", "paged_attention",
+                                     "gdn_gated_norm", "gdn_decode", "gdn_verify", "attn_qk_prep", "paged_attention",
                                      "paged_attention_split", "merge_attn_states", "paged_attention_fp8",
                                      "paged_attention_split_fp8"}
     assert ("gdn_gated_norm", {"HV": 48, "DV": 128}) in got and ("attn_qk_prep", {"NH": 24, "NKV": 4, "D": 256}) in got
@@ -108,6 +108,7 @@ def test_mixer_problems_and_the_split_counts_they_are_timed_at():
     got = model_problems("qwen3.6-35b-a3b", "q4")
     attn = {"NH": 16, "NKV": 2, "D": 256, "BS": 16}
     assert ("gdn_decode", {"H": 2048, "HK": 16, "R": 2, "DK": 128, "DV": 128}) in got
+    assert ("gdn_verify", {"H": 2048, "HK": 16, "R": 2, "DK": 128, "DV": 128}) in got
     assert ("gdn_conv", {"C": 8192, "KW": 4}) in got and ("gdn_delta_rule", {"HV": 32, "DK": 128, "DV": 128}) in got
     assert ("paged_attention", attn) in got and ("paged_attention_split", attn) in got
     assert ("paged_attention_fp8", attn) in got and ("paged_attention_split_fp8", attn) in got   # the FP8 cache's
