@@ -1,0 +1,214 @@
+"""gdn_verify's kernel (codegen/templates/gdn_verify.cu.j2), written without a GPU, mirrored thread by thread on the CPU
+against the reference backend: the blocks of a launch (key head x cluster rank, sequence) with their thread roles
+(threads < DK the key head's q and k conv channels, DKMAX.. the value head's v channels, every thread a 4-column x NR-row
+tile of the state: rows r*RG + rg, columns j0..j0+3), the per-warp partial sums and the sums over a warp's row groups,
+the 8-token chunks, the commit point (the state stored as the commit-th token passes, the conv windows at that token
+kept and stored at the end; the key head's q/k columns by cluster rank 0 only after every block of the cluster ran),
+and every address (x, qkvz, z, w_ba, conv_w, conv_state, state, y). fp32 throughout, y rounded to bf16 once, as the
+kernel does. So a wrong index in the template shows up here, on any machine; a change to the template must be made
+here too. The tiles come from the route file; the GPU tests run the kernel itself."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from ninfer.runtime.dispatch import ReferenceBackend
+from ninfer.runtime.tolerance import compare
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUTES = yaml.safe_load((ROOT / "specs" / "routes" / "gdn_verify.yaml").read_text())["routes"]
+TILES = {f"{r['name']}.{t}": v for r in ROUTES for t, v in r["tiles"].items()}
+KW, KS = 4, 3
+
+
+def f32(t: torch.Tensor) -> np.ndarray:
+    return t.float().numpy().astype(np.float32)
+
+
+def silu(v):
+    return v / (np.float32(1) + np.exp(-v))
+
+
+def emulate(tile: dict, ts: dict, scale: float, eps: float = 1e-6, norm_eps: float = 1e-6) -> dict:
+    """The kernel's effect on copies of y, conv_state and state."""
+    G, DKMAX, DVMAX, LT, THREADS = tile["g"], tile["dk"], tile["dv"], tile["lt"], tile["threads"]
+    WARPS = THREADS // 32
+    CQ = DVMAX // (4 * WARPS)
+    RG = 32 // CQ
+    NR = DKMAX // RG
+    x, qkvz, w_ba, conv_w = (f32(ts[k]) for k in ("x", "qkvz", "w_ba", "conv_w"))
+    A_log, dt_bias, norm_w = f32(ts["A_log"]).reshape(-1), f32(ts["dt_bias"]).reshape(-1), f32(ts["norm_w"])
+    qs, slots, commit = (ts[k].tolist() for k in ("query_start", "slots", "commit"))
+    HK, R, H = ts["w_ba"].shape[1], ts["w_ba"].shape[2], ts["w_ba"].shape[3]
+    DK, DV = ts["state"].shape[3], ts["state"].shape[4]
+    HV, C = HK * R, conv_w.shape[0]
+    w_ba = w_ba.reshape(2 * HV, H)                                   # rows h (b) and HV + h (a)
+    conv_state = ts["conv_state"].clone()                            # raw bf16 values: moved, never rounded
+    state = f32(ts["state"]).reshape(-1, HV, DK, DV).copy()
+    y = torch.full(ts["y"].shape, float("nan"), dtype=torch.bfloat16).reshape(-1, HV, DV)
+    tid = np.arange(THREADS)
+    warp, lane = tid >> 5, tid & 31
+    cq, rg = lane % CQ, lane // CQ
+    j0 = (warp * CQ + cq) * 4
+    rows = np.arange(NR)[None, :] * RG + rg[:, None]                 # [THREADS, NR]
+    cols = j0[:, None] + np.arange(4)[None, :]                       # [THREADS, 4]
+    vch0 = 2 * HK * DK
+
+    def load_state(slot, h):
+        S = np.zeros((THREADS, NR, 4), np.float32)
+        ok = (rows[:, :, None] < DK) & (cols[:, None, :] < DV)
+        r_, c_ = np.minimum(rows, DK - 1)[:, :, None], np.minimum(cols, DV - 1)[:, None, :]
+        S[ok] = state[slot, h][np.broadcast_to(r_, ok.shape)[ok], np.broadcast_to(c_, ok.shape)[ok]]
+        return S
+
+    def store_state(S, slot, h):
+        for t in range(THREADS):
+            for r in range(NR):
+                if rows[t, r] < DK:
+                    for c in range(4):
+                        if cols[t, c] < DV:
+                            state[slot, h, rows[t, r], cols[t, c]] = S[t, r, c]
+
+    def rows_sum(v):   # [THREADS] -> the sum over the lanes of a warp with the same cq (the shuffle xor CQ..16)
+        out = np.zeros_like(v)
+        for w in range(WARPS):
+            for c in range(CQ):
+                sel = (warp == w) & (cq == c)
+                out[sel] = v[sel].sum(dtype=np.float32)
+        return out
+
+    def warp_partials(v):   # [THREADS] -> [WARPS] (nf::warp_sum, lane 0 writes)
+        return v.reshape(WARPS, 32).sum(1, dtype=np.float32)
+
+    for s in range(len(slots)):
+        t0, n, slot = qs[s], qs[s + 1] - qs[s], slots[s]
+        keep_at = min(max(commit[s], 0), n) - 1
+        for kh in range(HK):
+            qk_writes = []
+            for rank in range(G):
+                per = R // G
+                h0 = kh * R + rank * per
+                qk_old = {}   # the q/k conv windows: channel -> raw values (read after the PDL wait)
+                for ch in [kh * DK + i for i in range(DK)] + [(HK + kh) * DK + i for i in range(DK)]:
+                    qk_old[ch] = conv_state[slot, ch].clone()
+                kept_s = {}
+                for i in range(per):
+                    h = h0 + i
+                    S = load_state(slot, h)
+                    win = {ch: v.clone() for ch, v in qk_old.items()}
+                    for j in range(DV):
+                        win[vch0 + h * DV + j] = conv_state[slot, vch0 + h * DV + j].clone()
+                    a_log, dtb = A_log[h], dt_bias[h]
+                    for c0 in range(0, n, LT):
+                        m = min(LT, n - c0)
+                        qk_s = np.zeros((LT, 2, DKMAX), np.float32)
+                        v_s = np.zeros((LT, DVMAX), np.float32)
+                        o_s = np.zeros((LT, DVMAX), np.float32)
+                        red = np.zeros((LT, 5, WARPS), np.float32)
+                        for j in range(m):   # (1)
+                            li, t = c0 + j, t0 + c0 + j
+
+                            def step(ch):
+                                acc = np.float32(conv_w[ch, KS]) * np.float32(float(qkvz[t, ch]))
+                                for k in range(KS):
+                                    acc = np.float32(acc + conv_w[ch, k] * np.float32(win[ch][k].item()))
+                                win[ch] = torch.cat([win[ch][1:], ts["qkvz"][t, ch:ch + 1]])
+                                if li == keep_at:
+                                    kept_s[ch] = win[ch].clone()
+                                return silu(acc)
+                            qv, kv = np.zeros(THREADS, np.float32), np.zeros(THREADS, np.float32)
+                            for d in range(DK):
+                                qv[d], kv[d] = step(kh * DK + d), step((HK + kh) * DK + d)
+                            qk_s[j, 0, :DKMAX] = qv[:DKMAX]
+                            qk_s[j, 1, :DKMAX] = kv[:DKMAX]
+                            for v in range(DVMAX):
+                                v_s[j, v] = step(vch0 + h * DV + v) if v < DV else 0.0
+                            pb, pa = np.zeros(THREADS, np.float32), np.zeros(THREADS, np.float32)
+                            for th in range(THREADS):
+                                for piece in range(th, H // 8, THREADS):
+                                    sl = slice(8 * piece, 8 * piece + 8)
+                                    pb[th] += np.dot(x[t, sl], w_ba[h, sl])
+                                    pa[th] += np.dot(x[t, sl], w_ba[HV + h, sl])
+                            red[j, 0], red[j, 1] = warp_partials(qv * qv), warp_partials(kv * kv)
+                            red[j, 2], red[j, 3] = warp_partials(pb), warp_partials(pa)
+                        for j in range(m):   # (2)
+                            sq, sk, b, a = (red[j, k].sum(dtype=np.float32) for k in range(4))
+                            rq, rk = np.float32(1 / np.sqrt(sq + eps)) * np.float32(scale), np.float32(1 / np.sqrt(sk + eps))
+                            beta = np.float32(1 / (1 + np.exp(-b)))
+                            xa = np.float32(a + dtb)
+                            eg = np.float32(np.exp(-np.exp(a_log) * (xa if xa > 20 else np.log1p(np.exp(xa)))))
+                            kr, qr = qk_s[j, 1][rows], qk_s[j, 0][rows]           # [THREADS, NR]
+                            p = (S * kr[:, :, None]).sum(1, dtype=np.float32)      # [THREADS, 4]
+                            kvc = np.stack([eg * rk * rows_sum(p[:, c]) for c in range(4)], 1)
+                            uk = beta * (v_s[j][np.minimum(cols, DVMAX - 1)] - kvc) * rk
+                            S = eg * S + kr[:, :, None] * uk[:, None, :]
+                            o = (S * qr[:, :, None]).sum(1, dtype=np.float32)
+                            o = np.stack([rows_sum(o[:, c]) * rq for c in range(4)], 1)
+                            ss = (o * o).sum(1, dtype=np.float32)
+                            red[j, 4] = warp_partials(np.where(rg == 0, ss, 0))
+                            for th in np.nonzero(rg == 0)[0]:
+                                o_s[j, cols[th]] = o[th]
+                            if c0 + j == keep_at:
+                                store_state(S, slot, h)
+                        for j in range(m):   # (3)
+                            rstd = np.float32(1 / np.sqrt(red[j, 4].sum(dtype=np.float32) / DV + norm_eps))
+                            t = t0 + c0 + j
+                            for th in np.nonzero(rg == 0)[0]:
+                                for c in range(4):
+                                    col = cols[th, c]
+                                    if col < DV:
+                                        zz = np.float32(float(qkvz[t, C + h * DV + col]))
+                                        y[t, h, col] = float(norm_w[col] * o_s[j, col] * rstd * silu(zz))
+                    if keep_at >= 0:
+                        for v in range(DV):
+                            ch = vch0 + h * DV + v
+                            conv_state[slot, ch] = kept_s[ch]
+                if keep_at >= 0 and (G == 1 or rank == 0):   # after the cluster barrier: once every block has read
+                    qk_writes += [(ch, kept_s[ch]) for ch in qk_old]
+            for ch, v in qk_writes:
+                conv_state[slot, ch] = v
+    return {"y": y.reshape(ts["y"].shape), "conv_state": conv_state,
+            "state": torch.from_numpy(state).reshape(ts["state"].shape)}
+
+
+def inputs(H, hk, r, dk, dv, runs, commit, seed):
+    g = torch.Generator().manual_seed(seed)
+    randn = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale)  # noqa: E731
+    T, S, C = sum(runs), len(runs), 2 * hk * dk + hk * r * dv
+    NS = S + 2
+    return {"x": randn(T, H).bfloat16(), "qkvz": randn(T, C + hk * r * dv).bfloat16(),
+            "w_ba": randn(2, hk, r, H, scale=H ** -0.5).bfloat16(), "conv_w": randn(C, KW, scale=0.5).bfloat16(),
+            "A_log": randn(hk, r), "dt_bias": randn(hk, r), "norm_w": (randn(dv, scale=0.5) + 1).bfloat16(),
+            "query_start": torch.tensor([0, *np.cumsum(runs).tolist()], dtype=torch.int32),
+            "slots": torch.randperm(NS, generator=g)[:S].int(), "commit": torch.tensor(commit, dtype=torch.int32),
+            "conv_state": randn(NS, C, KS).bfloat16(), "state": randn(NS, hk, r, dk, dv, scale=0.5),
+            "y": torch.empty(T, hk, r, dv, dtype=torch.bfloat16)}
+
+
+# (tile, (H, HK, R, DK, DV)): every tile on a shape its constraints admit (R % g == 0); DK, DV below the tile's
+# maxima and DV not a multiple of 4 on the portable tile (the padding rows and columns)
+CASES = [("head.g1", (64, 2, 2, 32, 30)), ("cluster.g2", (64, 2, 2, 32, 32)), ("cluster.g3", (48, 1, 3, 16, 16)),
+         ("cluster.g2t512", (64, 1, 2, 24, 16)), ("cluster.g3t512", (48, 1, 3, 16, 20))]
+
+
+@pytest.mark.parametrize("tile,shape", CASES, ids=[c[0] for c in CASES])
+def test_kernel_emulation_matches_the_reference(tile, shape):
+    """Runs of 1, 9 (two chunks: 8 + 1) and 3 tokens committing 1, 9 (the second chunk's token) and 0 (no write)."""
+    H, hk, r, dk, dv = shape
+    ts = inputs(H, hk, r, dk, dv, [1, 9, 3], [1, 9, 0], seed=len(tile))
+    scale = dk ** -0.5
+    got = emulate(TILES[tile], ts, scale)
+    ref = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ts.items()}
+    ReferenceBackend().run("gdn_verify", **ref, scale=scale)
+    preset = ReferenceBackend().manifest.tolerances["gdn_state_fp32"]
+    for name in ("y", "state"):
+        v = compare(got[name], ref[name], preset, f"{tile} {name}")
+        assert v, v.detail
+    assert torch.equal(got["conv_state"], ref["conv_state"])
+    untouched = ts["slots"][2].item()   # commit 0: its states as they were
+    assert torch.equal(got["state"][untouched], ts["state"][untouched])
+    assert torch.equal(got["conv_state"][untouched], ts["conv_state"][untouched])
