@@ -18,10 +18,13 @@ import time
 
 import click
 
+PROFILE_CALLS = 4   # decode calls --profile records after a mode's timed ones
 
-def _spec_rows(eng, prompts, rounds: int, known: dict | None, sync) -> dict:
+
+def _spec_rows(eng, prompts, rounds: int, known: dict | None, sync, profile=None) -> dict:
     """Open, prefill and run `rounds` timed decode calls for these prompts (greedy); drafts from `known` (prompt ->
-    its continuation) where given. Returns per-call medians and every sequence's tokens."""
+    its continuation) where given; then profile(seqs, median call seconds) where given. Returns per-call medians and
+    every sequence's tokens."""
     from ninfer.runtime.speculative import drafts_from
     before = dict(eng.spec.stats) if eng.spec is not None else None
     seqs = [eng.open(p, max_new=1 << 30) for p in prompts]
@@ -40,6 +43,8 @@ def _spec_rows(eng, prompts, rounds: int, known: dict | None, sync) -> dict:
                 times.append(time.perf_counter() - t0)
                 tokens.append(sum(s.n_generated for s in seqs) - n0)
             sync()
+            if profile is not None:
+                profile(seqs, statistics.median(times))
         out = {"call_s": statistics.median(times), "tokens_per_call": sum(tokens) / len(tokens),
                "tok_s": sum(tokens) / sum(times), "tokens": {tuple(s.prompt): list(s.tokens) for s in seqs},
                "context": len(seqs[0].tokens)}
@@ -53,9 +58,10 @@ def _spec_rows(eng, prompts, rounds: int, known: dict | None, sync) -> dict:
 
 
 def bench_spec(cfg, eng, concurrency: list[int], decode_prompt: int, rounds: int, k: int, fmt: str,
-               copy_gbs: float | None, sync=lambda: None, echo=click.echo) -> list[dict]:
+               copy_gbs: float | None, sync=lambda: None, echo=click.echo, profile=None) -> list[dict]:
     """For each concurrency: plain decode (the engine's own path: CUDA graphs on the GPU), rounds with the method's own
-    drafts, rounds with the known continuation's drafts."""
+    drafts, rounds with the known continuation's drafts; profile(seqs, call seconds) after each mode's timed calls
+    where given (ninfer-bench spec --profile: the kernels of the rounds)."""
     import torch
 
     from ninfer.cli.bench import decode_step_bytes, model_figures
@@ -69,11 +75,12 @@ def bench_spec(cfg, eng, concurrency: list[int], decode_prompt: int, rounds: int
         prompts = [torch.randint(0, eng.domain, (decode_prompt,), generator=rng).tolist() for _ in range(c)]
         spec, eng.spec = eng.spec, None
         try:
-            plain = _spec_rows(eng, prompts, rounds, None, sync)
+            plain = _spec_rows(eng, prompts, rounds, None, sync, profile)
         finally:
             eng.spec = spec
-        own = _spec_rows(eng, prompts, rounds * (k + 1) + 2, None, sync)   # also the continuation for the next pass
-        injected = _spec_rows(eng, prompts, rounds, own["tokens"], sync)
+        # (own: also the continuation for the next pass, so as many more tokens as the profile's calls may commit)
+        own = _spec_rows(eng, prompts, (rounds + PROFILE_CALLS) * (k + 1) + 2, None, sync, profile)
+        injected = _spec_rows(eng, prompts, rounds, own["tokens"], sync, profile)
         nbytes = decode_step_bytes(cfg, fig, c, decode_prompt)
         for name, r in (("plain", plain), (f"{eng.spec.config.method} drafts", own), ("known drafts", injected)):
             frac = nbytes / r["call_s"] / (copy_gbs * 1e9) if copy_gbs else None
@@ -100,8 +107,10 @@ def bench_spec(cfg, eng, concurrency: list[int], decode_prompt: int, rounds: int
 @click.option("--concurrency", default="1,8", show_default=True)
 @click.option("--decode-prompt", default=8192, show_default=True, help="context before the decode measurement")
 @click.option("--rounds", type=click.IntRange(1), default=16, show_default=True, help="timed decode calls per mode")
+@click.option("--profile", is_flag=True, help="also the kernel time per op inside each mode's decode calls (CUPTI via "
+              "torch.profiler): where a round's time goes")
 @click.option("--json", "json_out", type=click.Path())
-def spec_cmd(shape, fmt, method, k, concurrency, decode_prompt, rounds, json_out) -> None:
+def spec_cmd(shape, fmt, method, k, concurrency, decode_prompt, rounds, profile, json_out) -> None:
     """Speculative decoding against plain decoding (synthetic weights: drafts rejected, then injected)."""
     import json
 
@@ -123,7 +132,9 @@ def spec_cmd(shape, fmt, method, k, concurrency, decode_prompt, rounds, json_out
                               max_seqs=max(levels), speculative=SpeculativeConfig(method, k))
     click.echo(f"# {shape} ({fmt} synthetic weights{', MTP layer included' if method == 'mtp' else ''}) on "
                f"{eng.be.device.name}; copy {copy_gbs:,.0f} GB/s; context {decode_prompt}; {method} drafts, K={k}")
-    rows = bench_spec(cfg, eng, levels, decode_prompt, rounds, k, fmt, copy_gbs, torch.cuda.synchronize)
+    from ninfer.cli.bench import _graph_profile
+    prof = (lambda seqs, secs: _graph_profile(torch, eng, seqs, secs, steps=PROFILE_CALLS)) if profile else None
+    rows = bench_spec(cfg, eng, levels, decode_prompt, rounds, k, fmt, copy_gbs, torch.cuda.synchronize, profile=prof)
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"shape": shape, "device": eng.be.device.name, "weights": fmt, "method": method, "k": k,

@@ -70,7 +70,7 @@ for stage in $STAGES; do
     spec)  # speculative decoding against plain decoding, 27B and 35B-A3B q4, MTP and n-gram drafts (rejected, then injected)
       for shape in qwen3.6-27b qwen3.6-35b-a3b; do for method in ${SPEC_METHODS:-mtp ngram}; do
         timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench spec --shape $shape --weights q4 --method $method \
-          ${BENCH_SPEC:---concurrency 1,8} --json "$OUT/spec-$shape-$method.json" 2>&1 | tee "$OUT/spec-$shape-$method.log"
+          ${BENCH_SPEC:---concurrency 1,8 --profile} --json "$OUT/spec-$shape-$method.json" 2>&1 | tee "$OUT/spec-$shape-$method.log"
       done; done
       # through ninfer-serve too (n-gram drafts: whatever the random model's sampled answers repeat), 27B q4, C = 1 and 8
       timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench serve --resources-from .carry/demo/demo.ninfer --workdir /tmp/ninfer-bench \

@@ -305,13 +305,20 @@ def test_scheduler_events_and_stop_strings_inside_rounds(ckpt):
 def test_bench_spec_runs_the_three_modes(ckpt):
     """`ninfer-bench spec`'s measurement (run here on the reference backend, tiny model): plain decoding commits a
     token a call per lane, the MTP layer's random drafts about as much, drafts from the known continuation K + 1."""
-    from ninfer.cli.bench_spec import bench_spec
+    from ninfer.cli.bench_spec import PROFILE_CALLS, bench_spec
     _, art = ckpt
     eng = engine(art, max_context=200)
-    lines = []
-    rows = bench_spec(eng.cfg, eng, [1, 2], 12, rounds=4, k=3, fmt="bf16", copy_gbs=None, echo=lines.append)
+    lines, profiled = [], []
+
+    def profile(seqs, secs):   # as --profile's: more decode calls on the live sequences, after the timed ones
+        profiled.append((len(seqs), secs > 0, eng.spec is not None))
+        for _ in range(PROFILE_CALLS):
+            eng.decode(seqs)
+    rows = bench_spec(eng.cfg, eng, [1, 2], 12, rounds=4, k=3, fmt="bf16", copy_gbs=None, echo=lines.append,
+                      profile=profile)
     got = {(r["concurrency"], r["mode"]): r for r in rows}
     assert len(got) == 6 and len(lines) == 8
+    assert profiled == [(c, True, spec) for c in (1, 2) for spec in (False, True, True)]
     for c in (1, 2):
         assert got[c, "plain"]["tokens_per_call"] == c and got[c, "plain"]["acceptance"] is None
         assert c <= got[c, "mtp drafts"]["tokens_per_call"] < 2 * c
