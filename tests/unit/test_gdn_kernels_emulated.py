@@ -1,12 +1,17 @@
-"""gdn_verify's kernel (codegen/templates/gdn_verify.cu.j2), written without a GPU, mirrored thread by thread on the CPU
-against the reference backend: the blocks of a launch (key head x cluster rank, sequence) with their thread roles
-(threads < DK the key head's q and k conv channels, DKMAX.. the value head's v channels, every thread a 4-column x NR-row
-tile of the state: rows r*RG + rg, columns j0..j0+3), the per-warp partial sums and the sums over a warp's row groups,
-the 8-token chunks, the commit point (the state stored as the commit-th token passes, the conv windows at that token
-kept and stored at the end; the key head's q/k columns by cluster rank 0 only after every block of the cluster ran),
-and every address (x, qkvz, z, w_ba, conv_w, conv_state, state, y). fp32 throughout, y rounded to bf16 once, as the
-kernel does. So a wrong index in the template shows up here, on any machine; a change to the template must be made
-here too. The tiles come from the route file; the GPU tests run the kernel itself."""
+"""The fused GDN step kernels written without a GPU, mirrored thread by thread on the CPU against the reference
+backend: gdn_verify (codegen/templates/gdn_verify.cu.j2) and gdn_decode's shared-memory routes
+(codegen/templates/gdn_decode_smem.cu.j2).
+
+gdn_verify: the blocks of a launch (key head x cluster rank, sequence) with their thread roles (threads < DK the key
+head's q and k conv channels, DKMAX.. the value head's v channels, every thread a 4-column x NR-row tile of the state:
+rows r*RG + rg, columns j0..j0+3), the per-warp partial sums and the sums over a warp's row groups, the 8-token chunks,
+the commit point (the state stored as the commit-th token passes, the conv windows at that token kept and stored at
+the end; the key head's q/k columns by cluster rank 0 only after every block of the cluster ran), and every address
+(x, qkvz, z, w_ba, conv_w, conv_state, state, y). gdn_decode_smem: warp w's rows w*RPW .., lane l's columns 4l .., the
+two passes' per-warp column sums, the state written back from pass 2, o and |o|^2 in every warp, warp 0's y.
+fp32 throughout, y rounded to bf16 once, as the kernels do. So a wrong index in a template shows up here, on any
+machine; a change to a template must be made here too. The tiles come from the route files; the GPU tests run the
+kernels themselves."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,8 +25,14 @@ from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.tolerance import compare
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUTES = yaml.safe_load((ROOT / "specs" / "routes" / "gdn_verify.yaml").read_text())["routes"]
-TILES = {f"{r['name']}.{t}": v for r in ROUTES for t, v in r["tiles"].items()}
+
+
+def tiles(op: str) -> dict:
+    routes = yaml.safe_load((ROOT / "specs" / "routes" / f"{op}.yaml").read_text())["routes"]
+    return {f"{r['name']}.{t}": v for r in routes for t, v in r["tiles"].items()}
+
+
+TILES = tiles("gdn_verify")
 KW, KS = 4, 3
 
 
@@ -212,3 +223,101 @@ def test_kernel_emulation_matches_the_reference(tile, shape):
     untouched = ts["slots"][2].item()   # commit 0: its states as they were
     assert torch.equal(got["state"][untouched], ts["state"][untouched])
     assert torch.equal(got["conv_state"][untouched], ts["conv_state"][untouched])
+
+
+# ---- gdn_decode's shared-memory routes ---------------------------------------------------------------------------
+def emulate_decode_smem(tile: dict, ts: dict, scale: float, eps: float = 1e-6, norm_eps: float = 1e-6) -> dict:
+    """gdn_decode_smem.cu.j2's effect on copies of y, conv_state and state."""
+    G, DKMAX, THREADS = tile["g"], tile["dk"], tile["threads"]
+    WARPS = THREADS // 32
+    RPW = DKMAX // WARPS
+    x, qkvz, w_ba, conv_w = (f32(ts[k]) for k in ("x", "qkvz", "w_ba", "conv_w"))
+    A_log, dt_bias, norm_w = f32(ts["A_log"]).reshape(-1), f32(ts["dt_bias"]).reshape(-1), f32(ts["norm_w"])
+    slots = ts["slots"].tolist()
+    HK, R, H = ts["w_ba"].shape[1], ts["w_ba"].shape[2], ts["w_ba"].shape[3]
+    DK, DV = ts["state"].shape[3], ts["state"].shape[4]
+    HV, C, dv4 = HK * R, conv_w.shape[0], DV // 4
+    w_ba = w_ba.reshape(2 * HV, H)
+    conv_state = ts["conv_state"].clone()
+    state = f32(ts["state"]).reshape(-1, HV, DK, DV).copy()
+    y = torch.full(ts["y"].shape, float("nan"), dtype=torch.bfloat16).reshape(-1, HV, DV)
+    vch0 = 2 * HK * DK
+    lanes = np.arange(32)
+    col = lanes < dv4
+    cols = 4 * lanes[:, None] + np.arange(4)[None, :]                # [32, 4] a lane's columns
+
+    for t, slot in enumerate(slots):
+        for kh in range(HK):
+            old = {ch: conv_state[slot, ch].clone() for ch in
+                   [kh * DK + i for i in range(DK)] + [(HK + kh) * DK + i for i in range(DK)]}
+
+            def conv(ch, window):   # conv_run: w[KS] * x, then the old columns oldest first; the shifted window
+                acc = np.float32(conv_w[ch, KS]) * np.float32(float(qkvz[t, ch]))
+                for k in range(KS):
+                    acc = np.float32(acc + conv_w[ch, k] * np.float32(window[k].item()))
+                return silu(acc), torch.cat([window[1:], ts["qkvz"][t, ch:ch + 1]])
+            qk = np.zeros((2, DKMAX), np.float32)
+            new_qk = {}
+            for d in range(DK):
+                for which, ch in ((0, kh * DK + d), (1, (HK + kh) * DK + d)):
+                    qk[which, d], new_qk[ch] = conv(ch, old[ch])
+            sq, sk = (qk[0] ** 2).sum(dtype=np.float32), (qk[1] ** 2).sum(dtype=np.float32)
+            for rank in range(G):
+                for i in range(R // G):
+                    h = kh * R + rank * (R // G) + i
+                    v = np.zeros(128, np.float32)
+                    for j in range(DV):
+                        ch = vch0 + h * DV + j
+                        v[j], conv_state[slot, ch] = conv(ch, conv_state[slot, ch])
+                    pb = sum(np.dot(x[t, 8 * p:8 * p + 8], w_ba[h, 8 * p:8 * p + 8]) for p in range(H // 8))
+                    pa = sum(np.dot(x[t, 8 * p:8 * p + 8], w_ba[HV + h, 8 * p:8 * p + 8]) for p in range(H // 8))
+                    rq, rk = np.float32(1 / np.sqrt(sq + eps)) * np.float32(scale), np.float32(1 / np.sqrt(sk + eps))
+                    beta = np.float32(1 / (1 + np.exp(-pb)))
+                    xa = np.float32(pa + dt_bias[h])
+                    eg = np.float32(np.exp(-np.exp(A_log[h]) * (xa if xa > 20 else np.log1p(np.exp(xa)))))
+                    S_s = state[slot, h].copy()                          # [DK][DV], the global layout
+                    part = np.zeros((2, WARPS, 128), np.float32)
+                    for w in range(WARPS):                               # pass 1
+                        r0, r1 = w * RPW, min(w * RPW + RPW, DK)
+                        for lane in np.nonzero(col)[0]:
+                            part[0, w, cols[lane]] = (S_s[r0:r1, cols[lane]] * qk[1, r0:r1, None]).sum(0)
+                    kvc = part[0].sum(0) * eg * rk
+                    uk = np.where(np.arange(128) < DV, beta * (v - kvc) * rk, 0).astype(np.float32)
+                    for w in range(WARPS):                               # pass 2
+                        r0, r1 = w * RPW, min(w * RPW + RPW, DK)
+                        for lane in np.nonzero(col)[0]:
+                            c = cols[lane]
+                            new = eg * S_s[r0:r1, c] + qk[1, r0:r1, None] * uk[c][None, :]
+                            state[slot, h, r0:r1][:, c] = new
+                            part[1, w, c] = (new * qk[0, r0:r1, None]).sum(0)
+                    o = part[1].sum(0) * rq
+                    rstd = np.float32(1 / np.sqrt((o * o).sum(dtype=np.float32) / DV + norm_eps))
+                    for lane in np.nonzero(col)[0]:
+                        for j in cols[lane]:
+                            zz = np.float32(float(qkvz[t, C + h * DV + j]))
+                            y[t, h, j] = float(norm_w[j] * o[j] * rstd * silu(zz))
+            for ch, window in new_qk.items():   # (G == 1: at once; else rank 0 after the cluster barrier)
+                conv_state[slot, ch] = window
+    return {"y": y.reshape(ts["y"].shape), "conv_state": conv_state,
+            "state": torch.from_numpy(state).reshape(ts["state"].shape)}
+
+
+SMEM_CASES = [("head_smem.g1", (64, 2, 2, 32, 28)), ("cluster_smem.g2", (64, 2, 2, 40, 32)),
+              ("cluster_smem.g3", (48, 1, 3, 16, 16))]
+
+
+@pytest.mark.parametrize("tile,shape", SMEM_CASES, ids=[c[0] for c in SMEM_CASES])
+def test_gdn_decode_smem_emulation_matches_the_reference(tile, shape):
+    """Three tokens (sequences) in distinct slots; DK not a multiple of the rows a warp takes, DV below 128."""
+    H, hk, r, dk, dv = shape
+    ts = inputs(H, hk, r, dk, dv, [1, 1, 1], [1, 1, 1], seed=len(tile) + 3)
+    ts = {k: v for k, v in ts.items() if k not in ("query_start", "commit")}
+    scale = dk ** -0.5
+    got = emulate_decode_smem(tiles("gdn_decode")[tile], ts, scale)
+    ref = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ts.items()}
+    ReferenceBackend().run("gdn_decode", **ref, scale=scale)
+    preset = ReferenceBackend().manifest.tolerances["gdn_state_fp32"]
+    for name in ("y", "state"):
+        v = compare(got[name], ref[name], preset, f"{tile} {name}")
+        assert v, v.detail
+    assert torch.equal(got["conv_state"], ref["conv_state"])
