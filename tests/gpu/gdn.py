@@ -1,6 +1,7 @@
 """What the GDN GPU test files share (each makes its own inputs)."""
 import torch
 
+from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.tolerance import compare
 
@@ -36,3 +37,37 @@ def check_state_carried(be, make_inputs, state, slots, calls, label):
         ref_ts = clone(ts)
         ref_ts["state"] = ref_state
         check_against_reference(be, "gdn_delta_rule", ts, what=f"{label} call {i} runs={runs}", ref_ts=ref_ts)
+
+
+def check_unused_slots_untouched(be, op, ts):
+    """A launch of `op` leaves the state and conv state of every slot it was not given as they were."""
+    before = {k: ts[k].clone() for k in ("state", "conv_state")}
+    be.run(op, **ts)
+    torch.cuda.synchronize()
+    used = set(ts["slots"].tolist())
+    for k, t in before.items():
+        for slot in range(t.shape[0]):
+            if slot not in used:
+                assert torch.equal(ts[k][slot], t[slot]), f"{k} slot {slot} changed"
+
+
+def check_graph_replay_equals_eager(be, op, ts, seed):
+    """`op` captured in a CUDA graph and replayed on new x, from the same states, writes what the eager launch writes,
+    bit for bit (twice)."""
+    st0, cs0 = ts["state"].clone(), ts["conv_state"].clone()
+    plan = be.plan(op, **ts)
+    graph = capture(plan)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for trial in range(2):
+        ts["x"].copy_(torch.randn(ts["x"].shape, device="cuda", generator=g).to(ts["x"].dtype))
+        ts["state"].copy_(st0)
+        ts["conv_state"].copy_(cs0)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [ts[k].clone() for k in ("y", "state", "conv_state")]
+        ts["state"].copy_(st0)
+        ts["conv_state"].copy_(cs0)
+        plan()
+        torch.cuda.synchronize()
+        for name, r in zip(("y", "state", "conv_state"), replayed):
+            assert torch.equal(r, ts[name]), f"replay {trial}: {name} differs from eager"

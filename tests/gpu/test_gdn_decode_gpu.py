@@ -7,9 +7,9 @@ equal to eager. Skips cleanly without a GPU (the `gpu` marker)."""
 import pytest
 import torch
 
-from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.manifest import RouteError, evaluate
-from tests.gpu.gdn import check_against_reference, clone
+from tests.gpu.gdn import (check_against_reference, check_graph_replay_equals_eager, check_unused_slots_untouched,
+                           clone)
 from tests.ops_cases import gpu_kernels
 
 pytestmark = pytest.mark.gpu
@@ -99,15 +99,7 @@ def test_gdn_decode_state_carried(be, shape):
 
 
 def test_unused_slots_untouched(be):
-    ts = decode_inputs(SHAPES["tiny"], 2, seed=5, spare=4)
-    before = {k: ts[k].clone() for k in ("state", "conv_state")}
-    be.run("gdn_decode", **ts)
-    torch.cuda.synchronize()
-    used = set(ts["slots"].tolist())
-    for k, t in before.items():
-        for slot in range(t.shape[0]):
-            if slot not in used:
-                assert torch.equal(ts[k][slot], t[slot]), f"{k} slot {slot} changed"
+    check_unused_slots_untouched(be, "gdn_decode", decode_inputs(SHAPES["tiny"], 2, seed=5, spare=4))
 
 
 def test_bad_dims_are_refused(be):
@@ -117,21 +109,4 @@ def test_bad_dims_are_refused(be):
 
 
 def test_graph_replay_equals_eager(be):
-    ts = decode_inputs(SHAPES["27b"], 4, seed=9)
-    st0, cs0 = ts["state"].clone(), ts["conv_state"].clone()
-    plan = be.plan("gdn_decode", **ts)
-    graph = capture(plan)
-    g = gen(10)
-    for trial in range(2):
-        ts["x"].copy_(randn(g, *ts["x"].shape))
-        ts["state"].copy_(st0)
-        ts["conv_state"].copy_(cs0)
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = [ts[k].clone() for k in ("y", "state", "conv_state")]
-        ts["state"].copy_(st0)
-        ts["conv_state"].copy_(cs0)
-        plan()
-        torch.cuda.synchronize()
-        for name, r in zip(("y", "state", "conv_state"), replayed):
-            assert torch.equal(r, ts[name]), f"replay {trial}: {name} differs from eager"
+    check_graph_replay_equals_eager(be, "gdn_decode", decode_inputs(SHAPES["27b"], 4, seed=9), seed=10)

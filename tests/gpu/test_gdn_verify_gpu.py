@@ -7,11 +7,11 @@ untouched in other slots, and a CUDA-graph replay bitwise equal to eager. Skips 
 import pytest
 import torch
 
-from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.manifest import evaluate
 from ninfer.runtime.tolerance import compare
-from tests.gpu.gdn import check_against_reference, clone
-from tests.gpu.test_gdn_decode_gpu import SHAPES, KW, decode_inputs, gen, randn
+from tests.gpu.gdn import (check_against_reference, check_graph_replay_equals_eager, check_unused_slots_untouched,
+                           clone)
+from tests.gpu.test_gdn_decode_gpu import SHAPES, KW, decode_inputs
 from tests.ops_cases import gpu_kernels
 
 pytestmark = pytest.mark.gpu
@@ -98,33 +98,8 @@ def test_verify_then_commit_equals_decode_steps(be, shape):
 
 
 def test_unused_slots_untouched(be):
-    ts = verify_inputs(SHAPES["tiny"], [3, 2], [3, 1], seed=5, spare=4)
-    before = {k: ts[k].clone() for k in ("state", "conv_state")}
-    be.run("gdn_verify", **ts)
-    torch.cuda.synchronize()
-    used = set(ts["slots"].tolist())
-    for k, t in before.items():
-        for slot in range(t.shape[0]):
-            if slot not in used:
-                assert torch.equal(ts[k][slot], t[slot]), f"{k} slot {slot} changed"
+    check_unused_slots_untouched(be, "gdn_verify", verify_inputs(SHAPES["tiny"], [3, 2], [3, 1], seed=5, spare=4))
 
 
 def test_graph_replay_equals_eager(be):
-    ts = verify_inputs(SHAPES["27b"], [4, 4], [2, 4], seed=9)
-    st0, cs0 = ts["state"].clone(), ts["conv_state"].clone()
-    plan = be.plan("gdn_verify", **ts)
-    graph = capture(plan)
-    g = gen(10)
-    for trial in range(2):
-        ts["x"].copy_(randn(g, *ts["x"].shape))
-        ts["state"].copy_(st0)
-        ts["conv_state"].copy_(cs0)
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = [ts[k].clone() for k in ("y", "state", "conv_state")]
-        ts["state"].copy_(st0)
-        ts["conv_state"].copy_(cs0)
-        plan()
-        torch.cuda.synchronize()
-        for name, r in zip(("y", "state", "conv_state"), replayed):
-            assert torch.equal(r, ts[name]), f"replay {trial}: {name} differs from eager"
+    check_graph_replay_equals_eager(be, "gdn_verify", verify_inputs(SHAPES["27b"], [4, 4], [2, 4], seed=9), seed=10)

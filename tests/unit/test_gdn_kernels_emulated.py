@@ -200,6 +200,18 @@ def inputs(H, hk, r, dk, dv, runs, commit, seed):
             "y": torch.empty(T, hk, r, dv, dtype=torch.bfloat16)}
 
 
+def check_against_reference(op: str, got: dict, ts: dict, scale: float, what: str) -> dict:
+    """The emulation's y and state within the op's gdn_state_fp32 of the reference backend's, its conv state equal."""
+    ref = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ts.items()}
+    ReferenceBackend().run(op, **ref, scale=scale)
+    preset = ReferenceBackend().manifest.tolerances["gdn_state_fp32"]
+    for name in ("y", "state"):
+        v = compare(got[name], ref[name], preset, f"{what} {name}")
+        assert v, v.detail
+    assert torch.equal(got["conv_state"], ref["conv_state"])
+    return got
+
+
 # (tile, (H, HK, R, DK, DV)): every tile on a shape its constraints admit (R % g == 0); DK, DV below the tile's
 # maxima and DV not a multiple of 4 on the portable tile (the padding rows and columns)
 CASES = [("head.g1", (64, 2, 2, 32, 30)), ("cluster.g2", (64, 2, 2, 32, 32)), ("cluster.g3", (48, 1, 3, 16, 16)),
@@ -211,15 +223,7 @@ def test_kernel_emulation_matches_the_reference(tile, shape):
     """Runs of 1, 9 (two chunks: 8 + 1) and 3 tokens committing 1, 9 (the second chunk's token) and 0 (no write)."""
     H, hk, r, dk, dv = shape
     ts = inputs(H, hk, r, dk, dv, [1, 9, 3], [1, 9, 0], seed=len(tile))
-    scale = dk ** -0.5
-    got = emulate(TILES[tile], ts, scale)
-    ref = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ts.items()}
-    ReferenceBackend().run("gdn_verify", **ref, scale=scale)
-    preset = ReferenceBackend().manifest.tolerances["gdn_state_fp32"]
-    for name in ("y", "state"):
-        v = compare(got[name], ref[name], preset, f"{tile} {name}")
-        assert v, v.detail
-    assert torch.equal(got["conv_state"], ref["conv_state"])
+    got = check_against_reference("gdn_verify", emulate(TILES[tile], ts, dk ** -0.5), ts, dk ** -0.5, tile)
     untouched = ts["slots"][2].item()   # commit 0: its states as they were
     assert torch.equal(got["state"][untouched], ts["state"][untouched])
     assert torch.equal(got["conv_state"][untouched], ts["conv_state"][untouched])
@@ -312,12 +316,5 @@ def test_gdn_decode_smem_emulation_matches_the_reference(tile, shape):
     H, hk, r, dk, dv = shape
     ts = inputs(H, hk, r, dk, dv, [1, 1, 1], [1, 1, 1], seed=len(tile) + 3)
     ts = {k: v for k, v in ts.items() if k not in ("query_start", "commit")}
-    scale = dk ** -0.5
-    got = emulate_decode_smem(tiles("gdn_decode")[tile], ts, scale)
-    ref = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ts.items()}
-    ReferenceBackend().run("gdn_decode", **ref, scale=scale)
-    preset = ReferenceBackend().manifest.tolerances["gdn_state_fp32"]
-    for name in ("y", "state"):
-        v = compare(got[name], ref[name], preset, f"{tile} {name}")
-        assert v, v.detail
-    assert torch.equal(got["conv_state"], ref["conv_state"])
+    check_against_reference("gdn_decode", emulate_decode_smem(tiles("gdn_decode")[tile], ts, dk ** -0.5), ts, dk ** -0.5,
+                            tile)
