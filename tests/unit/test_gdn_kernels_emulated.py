@@ -1,14 +1,16 @@
 """The fused GDN step kernels written without a GPU, mirrored thread by thread on the CPU against the reference
-backend: gdn_verify (codegen/templates/gdn_verify.cu.j2) and gdn_decode's shared-memory routes
-(codegen/templates/gdn_decode_smem.cu.j2).
+backend: gdn_verify (codegen/templates/gdn_verify.cu.j2, gdn_verify_smem.cu.j2) and gdn_decode's shared-memory
+routes (codegen/templates/gdn_decode_smem.cu.j2).
 
 gdn_verify: the blocks of a launch (key head x cluster rank, sequence) with their thread roles (threads < DK the key
 head's q and k conv channels, DKMAX.. the value head's v channels, every thread a 4-column x NR-row tile of the state:
 rows r*RG + rg, columns j0..j0+3), the per-warp partial sums and the sums over a warp's row groups, the 8-token chunks,
 the commit point (the state stored as the commit-th token passes, the conv windows at that token kept and stored at
 the end; the key head's q/k columns by cluster rank 0 only after every block of the cluster ran), and every address
-(x, qkvz, z, w_ba, conv_w, conv_state, state, y). gdn_decode_smem: warp w's rows w*RPW .., lane l's columns 4l .., the
-two passes' per-warp column sums, the state written back from pass 2, o and |o|^2 in every warp, warp 0's y.
+(x, qkvz, z, w_ba, conv_w, conv_state, state, y). The shared-memory routes of both (gdn_decode_smem.cu.j2,
+gdn_verify_smem.cu.j2): warp w's rows w*RPW .., lane l's columns 4l .., the two passes' per-warp column sums, the
+state written back from pass 2 (gdn_verify_smem: into shared memory, and to global memory at the commit point), o and
+|o|^2 in every warp, warp 0's y.
 fp32 throughout, y rounded to bf16 once, as the kernels do. So a wrong index in a template shows up here, on any
 machine; a change to a template must be made here too. The tiles come from the route files; the GPU tests run the
 kernels themselves."""
@@ -318,3 +320,113 @@ def test_gdn_decode_smem_emulation_matches_the_reference(tile, shape):
     ts = {k: v for k, v in ts.items() if k not in ("query_start", "commit")}
     check_against_reference("gdn_decode", emulate_decode_smem(tiles("gdn_decode")[tile], ts, dk ** -0.5), ts, dk ** -0.5,
                             tile)
+
+
+# ---- gdn_verify's shared-memory routes ----------------------------------------------------------------------------
+def emulate_verify_smem(tile: dict, ts: dict, scale: float, eps: float = 1e-6, norm_eps: float = 1e-6) -> dict:
+    """gdn_verify_smem.cu.j2's effect on copies of y, conv_state and state."""
+    G, DKMAX, THREADS = tile["g"], tile["dk"], tile["threads"]
+    WARPS = THREADS // 32
+    RPW = DKMAX // WARPS
+    x, qkvz, w_ba, conv_w = (f32(ts[k]) for k in ("x", "qkvz", "w_ba", "conv_w"))
+    A_log, dt_bias, norm_w = f32(ts["A_log"]).reshape(-1), f32(ts["dt_bias"]).reshape(-1), f32(ts["norm_w"])
+    qs, slots, commit = (ts[k].tolist() for k in ("query_start", "slots", "commit"))
+    HK, R, H = ts["w_ba"].shape[1], ts["w_ba"].shape[2], ts["w_ba"].shape[3]
+    DK, DV = ts["state"].shape[3], ts["state"].shape[4]
+    HV, C, dv4 = HK * R, conv_w.shape[0], DV // 4
+    w_ba = w_ba.reshape(2 * HV, H)
+    conv_state = ts["conv_state"].clone()
+    state = f32(ts["state"]).reshape(-1, HV, DK, DV).copy()
+    y = torch.full(ts["y"].shape, float("nan"), dtype=torch.bfloat16).reshape(-1, HV, DV)
+    vch0 = 2 * HK * DK
+    col_lanes = np.nonzero(np.arange(32) < dv4)[0]
+    cols = {lane: 4 * lane + np.arange(4) for lane in col_lanes}
+
+    def step(ch, win, t):   # win_step: w[KS] * x, then the window oldest first; the shifted window
+        acc = np.float32(conv_w[ch, KS]) * np.float32(float(qkvz[t, ch]))
+        for k in range(KS):
+            acc = np.float32(acc + conv_w[ch, k] * np.float32(win[k].item()))
+        return silu(acc), torch.cat([win[1:], ts["qkvz"][t, ch:ch + 1]])
+
+    for s in range(len(slots)):
+        t0, n, slot = qs[s], qs[s + 1] - qs[s], slots[s]
+        keep_at = min(max(commit[s], 0), n) - 1
+        for kh in range(HK):
+            qk_ch = [kh * DK + d for d in range(DK)] + [(HK + kh) * DK + d for d in range(DK)]
+            old = {ch: conv_state[slot, ch].clone() for ch in qk_ch}   # read by every block before any write
+            qk_writes = {}
+            for rank in range(G):
+                per = R // G
+                kept = {}
+                for i in range(per if n > 0 else 0):
+                    h = kh * R + rank * per + i
+                    S_s = state[slot, h].copy()
+                    win = {ch: old[ch].clone() for ch in qk_ch}
+                    win |= {vch0 + h * DV + j: conv_state[slot, vch0 + h * DV + j].clone() for j in range(DV)}
+                    for li in range(n):
+                        t = t0 + li
+                        qk = np.zeros((2, DKMAX), np.float32)
+                        for d in range(DK):
+                            for which, ch in ((0, kh * DK + d), (1, (HK + kh) * DK + d)):
+                                qk[which, d], win[ch] = step(ch, win[ch], t)
+                        v = np.zeros(128, np.float32)
+                        for j in range(DV):
+                            ch = vch0 + h * DV + j
+                            v[j], win[ch] = step(ch, win[ch], t)
+                        if li == keep_at:
+                            kept |= {ch: win[ch].clone() for ch in win}
+                        pb = sum(np.dot(x[t, 8 * p:8 * p + 8], w_ba[h, 8 * p:8 * p + 8]) for p in range(H // 8))
+                        pa = sum(np.dot(x[t, 8 * p:8 * p + 8], w_ba[HV + h, 8 * p:8 * p + 8]) for p in range(H // 8))
+                        sq, sk = (qk[0] ** 2).sum(dtype=np.float32), (qk[1] ** 2).sum(dtype=np.float32)
+                        rq, rk = np.float32(1 / np.sqrt(sq + eps)) * np.float32(scale), np.float32(1 / np.sqrt(sk + eps))
+                        beta = np.float32(1 / (1 + np.exp(-pb)))
+                        xa = np.float32(pa + dt_bias[h])
+                        eg = np.float32(np.exp(-np.exp(A_log[h]) * (xa if xa > 20 else np.log1p(np.exp(xa)))))
+                        part = np.zeros((2, WARPS, 128), np.float32)
+                        for w in range(WARPS):
+                            r0, r1 = w * RPW, min(w * RPW + RPW, DK)
+                            for lane in col_lanes:
+                                part[0, w, cols[lane]] = (S_s[r0:r1, cols[lane]] * qk[1, r0:r1, None]).sum(0)
+                        kvc = part[0].sum(0) * eg * rk
+                        uk = np.where(np.arange(128) < DV, beta * (v - kvc) * rk, 0).astype(np.float32)
+                        for w in range(WARPS):
+                            r0, r1 = w * RPW, min(w * RPW + RPW, DK)
+                            for lane in col_lanes:
+                                c = cols[lane]
+                                new = eg * S_s[r0:r1, c] + qk[1, r0:r1, None] * uk[c][None, :]
+                                S_s[r0:r1][:, c] = new
+                                if li == keep_at:
+                                    state[slot, h, r0:r1][:, c] = new
+                                part[1, w, c] = (new * qk[0, r0:r1, None]).sum(0)
+                        o = part[1].sum(0) * rq
+                        rstd = np.float32(1 / np.sqrt((o * o).sum(dtype=np.float32) / DV + norm_eps))
+                        for lane in col_lanes:
+                            for j in cols[lane]:
+                                zz = np.float32(float(qkvz[t, C + h * DV + j]))
+                                y[t, h, j] = float(norm_w[j] * o[j] * rstd * silu(zz))
+                    if keep_at >= 0:
+                        for j in range(DV):
+                            conv_state[slot, vch0 + h * DV + j] = kept[vch0 + h * DV + j]
+                if keep_at >= 0 and rank == 0:   # (G > 1: after the cluster barrier, when every block has read)
+                    qk_writes = {ch: kept[ch] for ch in qk_ch}
+            for ch, v in qk_writes.items():
+                conv_state[slot, ch] = v
+    return {"y": y.reshape(ts["y"].shape), "conv_state": conv_state,
+            "state": torch.from_numpy(state).reshape(ts["state"].shape)}
+
+
+VERIFY_SMEM_CASES = [("head_smem.g1", (64, 2, 2, 32, 28)), ("cluster_smem.g2", (64, 2, 2, 40, 32)),
+                     ("cluster_smem.g3", (48, 1, 3, 16, 16))]
+
+
+@pytest.mark.parametrize("tile,shape", VERIFY_SMEM_CASES, ids=[c[0] for c in VERIFY_SMEM_CASES])
+def test_gdn_verify_smem_emulation_matches_the_reference(tile, shape):
+    """Runs of 1, 5 and 3 tokens committing 1, 4 (inside the run) and 0 (nothing written), and an empty run."""
+    H, hk, r, dk, dv = shape
+    ts = inputs(H, hk, r, dk, dv, [1, 5, 3, 0], [1, 4, 0, 0], seed=len(tile) + 5)
+    got = check_against_reference("gdn_verify", emulate_verify_smem(tiles("gdn_verify")[tile], ts, dk ** -0.5), ts,
+                                  dk ** -0.5, tile)
+    for k in (2, 3):   # commit 0, and the empty run: their states as they were
+        untouched = ts["slots"][k].item()
+        assert torch.equal(got["state"][untouched], ts["state"][untouched])
+        assert torch.equal(got["conv_state"][untouched], ts["conv_state"][untouched])
