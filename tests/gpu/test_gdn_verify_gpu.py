@@ -2,7 +2,8 @@
 tensors, under the op's gdn_state_fp32 preset for y and the fp32 state (the conv state must match exactly: raw bf16
 inputs are moved, never rounded): the Qwen3.6-27B and 35B-A3B shapes and small odd ones, runs of 1..17 tokens (the
 kernel's 8-token chunks: 7, 8, 9, 16, 17), commit counts 0 (nothing written), 1, inside the run and the whole run,
-every route instance on every shape its constraints admit, a verify + commit pair against decode steps, states
+the span boundary of the real shapes' tables (T = 16 / 17 / 18: register tiles, then shared-memory ones), every
+route instance on every shape its constraints admit, a verify + commit pair against decode steps, states
 untouched in other slots, and a CUDA-graph replay bitwise equal to eager. Skips cleanly without a GPU."""
 import pytest
 import torch
@@ -39,7 +40,9 @@ COMMITS = {"none": lambda n: 0, "one": lambda n: 1, "inside": lambda n: max(1, n
 
 
 @pytest.mark.parametrize("shape", ["27b", "35b", "odd", "r4", "ragged"], ids=str)
-@pytest.mark.parametrize("runs", [[1], [4], [7, 8, 9], [4, 4, 4, 4, 4, 4, 4, 4], [16, 1, 17], [2, 9, 5]], ids=str)
+# T = 1, the real shapes' span boundary 17 (16, 17, 18 tokens) and beyond it; runs across the 8-token chunks
+@pytest.mark.parametrize("runs", [[1], [4], [4, 4, 4, 4], [4, 4, 4, 4, 1], [9, 9], [7, 8, 9], [4, 4, 4, 4, 4, 4, 4, 4],
+                                  [16, 1, 17], [2, 9, 5]], ids=str)
 @pytest.mark.parametrize("commit", list(COMMITS))
 def test_gdn_verify_table(be, shape, runs, commit):
     check(be, verify_inputs(SHAPES[shape], runs, COMMITS[commit], seed=len(runs) * 31 + sum(runs)),
