@@ -232,80 +232,13 @@ def test_kernel_emulation_matches_the_reference(tile, shape):
 
 
 # ---- gdn_decode's shared-memory routes ---------------------------------------------------------------------------
-def emulate_decode_smem(tile: dict, ts: dict, scale: float, eps: float = 1e-6, norm_eps: float = 1e-6) -> dict:
-    """gdn_decode_smem.cu.j2's effect on copies of y, conv_state and state."""
-    G, DKMAX, THREADS = tile["g"], tile["dk"], tile["threads"]
-    WARPS = THREADS // 32
-    RPW = DKMAX // WARPS
-    x, qkvz, w_ba, conv_w = (f32(ts[k]) for k in ("x", "qkvz", "w_ba", "conv_w"))
-    A_log, dt_bias, norm_w = f32(ts["A_log"]).reshape(-1), f32(ts["dt_bias"]).reshape(-1), f32(ts["norm_w"])
-    slots = ts["slots"].tolist()
-    HK, R, H = ts["w_ba"].shape[1], ts["w_ba"].shape[2], ts["w_ba"].shape[3]
-    DK, DV = ts["state"].shape[3], ts["state"].shape[4]
-    HV, C, dv4 = HK * R, conv_w.shape[0], DV // 4
-    w_ba = w_ba.reshape(2 * HV, H)
-    conv_state = ts["conv_state"].clone()
-    state = f32(ts["state"]).reshape(-1, HV, DK, DV).copy()
-    y = torch.full(ts["y"].shape, float("nan"), dtype=torch.bfloat16).reshape(-1, HV, DV)
-    vch0 = 2 * HK * DK
-    lanes = np.arange(32)
-    col = lanes < dv4
-    cols = 4 * lanes[:, None] + np.arange(4)[None, :]                # [32, 4] a lane's columns
-
-    for t, slot in enumerate(slots):
-        for kh in range(HK):
-            old = {ch: conv_state[slot, ch].clone() for ch in
-                   [kh * DK + i for i in range(DK)] + [(HK + kh) * DK + i for i in range(DK)]}
-
-            def conv(ch, window):   # conv_run: w[KS] * x, then the old columns oldest first; the shifted window
-                acc = np.float32(conv_w[ch, KS]) * np.float32(float(qkvz[t, ch]))
-                for k in range(KS):
-                    acc = np.float32(acc + conv_w[ch, k] * np.float32(window[k].item()))
-                return silu(acc), torch.cat([window[1:], ts["qkvz"][t, ch:ch + 1]])
-            qk = np.zeros((2, DKMAX), np.float32)
-            new_qk = {}
-            for d in range(DK):
-                for which, ch in ((0, kh * DK + d), (1, (HK + kh) * DK + d)):
-                    qk[which, d], new_qk[ch] = conv(ch, old[ch])
-            sq, sk = (qk[0] ** 2).sum(dtype=np.float32), (qk[1] ** 2).sum(dtype=np.float32)
-            for rank in range(G):
-                for i in range(R // G):
-                    h = kh * R + rank * (R // G) + i
-                    v = np.zeros(128, np.float32)
-                    for j in range(DV):
-                        ch = vch0 + h * DV + j
-                        v[j], conv_state[slot, ch] = conv(ch, conv_state[slot, ch])
-                    pb = sum(np.dot(x[t, 8 * p:8 * p + 8], w_ba[h, 8 * p:8 * p + 8]) for p in range(H // 8))
-                    pa = sum(np.dot(x[t, 8 * p:8 * p + 8], w_ba[HV + h, 8 * p:8 * p + 8]) for p in range(H // 8))
-                    rq, rk = np.float32(1 / np.sqrt(sq + eps)) * np.float32(scale), np.float32(1 / np.sqrt(sk + eps))
-                    beta = np.float32(1 / (1 + np.exp(-pb)))
-                    xa = np.float32(pa + dt_bias[h])
-                    eg = np.float32(np.exp(-np.exp(A_log[h]) * (xa if xa > 20 else np.log1p(np.exp(xa)))))
-                    S_s = state[slot, h].copy()                          # [DK][DV], the global layout
-                    part = np.zeros((2, WARPS, 128), np.float32)
-                    for w in range(WARPS):                               # pass 1
-                        r0, r1 = w * RPW, min(w * RPW + RPW, DK)
-                        for lane in np.nonzero(col)[0]:
-                            part[0, w, cols[lane]] = (S_s[r0:r1, cols[lane]] * qk[1, r0:r1, None]).sum(0)
-                    kvc = part[0].sum(0) * eg * rk
-                    uk = np.where(np.arange(128) < DV, beta * (v - kvc) * rk, 0).astype(np.float32)
-                    for w in range(WARPS):                               # pass 2
-                        r0, r1 = w * RPW, min(w * RPW + RPW, DK)
-                        for lane in np.nonzero(col)[0]:
-                            c = cols[lane]
-                            new = eg * S_s[r0:r1, c] + qk[1, r0:r1, None] * uk[c][None, :]
-                            state[slot, h, r0:r1][:, c] = new
-                            part[1, w, c] = (new * qk[0, r0:r1, None]).sum(0)
-                    o = part[1].sum(0) * rq
-                    rstd = np.float32(1 / np.sqrt((o * o).sum(dtype=np.float32) / DV + norm_eps))
-                    for lane in np.nonzero(col)[0]:
-                        for j in cols[lane]:
-                            zz = np.float32(float(qkvz[t, C + h * DV + j]))
-                            y[t, h, j] = float(norm_w[j] * o[j] * rstd * silu(zz))
-            for ch, window in new_qk.items():   # (G == 1: at once; else rank 0 after the cluster barrier)
-                conv_state[slot, ch] = window
-    return {"y": y.reshape(ts["y"].shape), "conv_state": conv_state,
-            "state": torch.from_numpy(state).reshape(ts["state"].shape)}
+def emulate_decode_smem(tile: dict, ts: dict, scale: float) -> dict:
+    """gdn_decode_smem.cu.j2's effect: gdn_verify_smem.cu.j2's over one-token runs, each committed (the two share
+    their work split, passes and addresses; the decode kernel stores the state in pass 2 and a G = 1 block its
+    q/k conv columns at once, with the same values)."""
+    T = ts["x"].shape[0]
+    runs = {"query_start": torch.arange(T + 1, dtype=torch.int32), "commit": torch.ones(T, dtype=torch.int32)}
+    return emulate_verify_smem(tile, {**ts, **runs}, scale)
 
 
 SMEM_CASES = [("head_smem.g1", (64, 2, 2, 32, 28)), ("cluster_smem.g2", (64, 2, 2, 40, 32)),
