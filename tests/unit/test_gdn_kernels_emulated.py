@@ -1,15 +1,15 @@
 """The fused GDN step kernels written without a GPU, mirrored thread by thread on the CPU against the reference
-backend: gdn_verify (codegen/templates/gdn_verify.cu.j2, gdn_verify_smem.cu.j2) and gdn_decode's shared-memory
-routes (codegen/templates/gdn_decode_smem.cu.j2).
+backend: gdn_verify (codegen/templates/gdn_verify.cu.j2) and the shared-memory routes of gdn_verify and gdn_decode
+(codegen/templates/gdn_step_smem.cu.j2).
 
 gdn_verify: the blocks of a launch (key head x cluster rank, sequence) with their thread roles (threads < DK the key
 head's q and k conv channels, DKMAX.. the value head's v channels, every thread a 4-column x NR-row tile of the state:
 rows r*RG + rg, columns j0..j0+3), the per-warp partial sums and the sums over a warp's row groups, the 8-token chunks,
 the commit point (the state stored as the commit-th token passes, the conv windows at that token kept and stored at
 the end; the key head's q/k columns by cluster rank 0 only after every block of the cluster ran), and every address
-(x, qkvz, z, w_ba, conv_w, conv_state, state, y). The shared-memory routes of both (gdn_decode_smem.cu.j2,
-gdn_verify_smem.cu.j2): warp w's rows w*RPW .., lane l's columns 4l .., the two passes' per-warp column sums, the
-state written back from pass 2 (gdn_verify_smem: into shared memory, and to global memory at the commit point), o and
+(x, qkvz, z, w_ba, conv_w, conv_state, state, y). The shared-memory routes (gdn_step_smem.cu.j2):
+warp w's rows w*RPW .., lane l's columns 4l .., the two passes' per-warp column sums, the state written back from
+pass 2 into shared memory (and to global memory at the commit point), o and
 |o|^2 in every warp, warp 0's y.
 fp32 throughout, y rounded to bf16 once, as the kernels do. So a wrong index in a template shows up here, on any
 machine; a change to a template must be made here too. The tiles come from the route files; the GPU tests run the
@@ -233,9 +233,8 @@ def test_kernel_emulation_matches_the_reference(tile, shape):
 
 # ---- gdn_decode's shared-memory routes ---------------------------------------------------------------------------
 def emulate_decode_smem(tile: dict, ts: dict, scale: float) -> dict:
-    """gdn_decode_smem.cu.j2's effect: gdn_verify_smem.cu.j2's over one-token runs, each committed (the two share
-    their work split, passes and addresses; the decode kernel stores the state in pass 2 and a G = 1 block its
-    q/k conv columns at once, with the same values)."""
+    """gdn_step_smem.cu.j2's effect for gdn_decode: its gdn_verify over one-token runs, each committed (the template
+    takes gdn_decode's token s as a one-token run of sequence s)."""
     T = ts["x"].shape[0]
     runs = {"query_start": torch.arange(T + 1, dtype=torch.int32), "commit": torch.ones(T, dtype=torch.int32)}
     return emulate_verify_smem(tile, {**ts, **runs}, scale)
@@ -257,7 +256,7 @@ def test_gdn_decode_smem_emulation_matches_the_reference(tile, shape):
 
 # ---- gdn_verify's shared-memory routes ----------------------------------------------------------------------------
 def emulate_verify_smem(tile: dict, ts: dict, scale: float, eps: float = 1e-6, norm_eps: float = 1e-6) -> dict:
-    """gdn_verify_smem.cu.j2's effect on copies of y, conv_state and state."""
+    """gdn_step_smem.cu.j2's effect (gdn_verify) on copies of y, conv_state and state."""
     G, DKMAX, THREADS = tile["g"], tile["dk"], tile["threads"]
     WARPS = THREADS // 32
     RPW = DKMAX // WARPS
