@@ -344,10 +344,10 @@ def report(seq, out: Output, engine, load_s: float, as_json: bool) -> None:
         line += f", GPU peak {mem['gpu_peak_bytes'] / MiB:.0f} MiB"
     click.echo(line, err=True)
     if spec is not None:
-        rate = spec["num_accepted_tokens"] / spec["num_draft_tokens"] if spec["num_draft_tokens"] else 0.0
-        click.echo(f"speculative ({engine.spec.config.method}): {spec['num_drafts']} rounds with drafts, {spec['num_accepted_tokens']} of "
-                   f"{spec['num_draft_tokens']} drafts accepted ({100 * rate:.0f} %), by position "
-                   f"{spec['accepted_per_pos']}", err=True)
+        accepted = spec["num_accepted_tokens"] / spec["num_draft_tokens"] if spec["num_draft_tokens"] else 0.0
+        click.echo(f"speculative ({engine.spec.config.method}): {spec['num_drafts']} rounds with drafts, "
+                   f"{spec['num_accepted_tokens']} of {spec['num_draft_tokens']} drafts accepted "
+                   f"({100 * accepted:.0f} %), by position {spec['accepted_per_pos']}", err=True)
 
 
 if __name__ == "__main__":

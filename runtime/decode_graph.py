@@ -47,11 +47,11 @@ def seed32(seed: int) -> int:
     return ((seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
 
 
-def count_tokens(counts: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> None:
-    """counts[slots[i], ids[i]] += 1 on the counts' device, in one launch and without a host sync (so a decode graph
-    captures it): the generated-token counts the sample op's presence / frequency penalties read. Repeated
+def count_tokens(counts: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, add: torch.Tensor | None = None) -> None:
+    """counts[slots[i], ids[i]] += 1 (add[i] where given) on the counts' device, in one launch and without a host sync
+    (so a graph captures it): the generated-token counts the sample op's presence / frequency penalties read. Repeated
     (slot, id) pairs add up (a speculative round's drafts)."""
-    counts.view(-1).scatter_add_(0, slots.long() * counts.shape[1] + ids.long(), torch.ones_like(ids))
+    counts.view(-1).scatter_add_(0, slots.long() * counts.shape[1] + ids.long(), torch.ones_like(ids) if add is None else add)
 
 
 class HostStep:

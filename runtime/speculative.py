@@ -155,7 +155,7 @@ class Speculator:
         for seq in seqs:   # drafts the lane may still use: within max_new, the context and the free pages
             seq.drafts = seq.drafts[:self._budget(seq)]
         spans = [(len(s.tokens) - 1, len(s.tokens) + len(s.drafts)) for s in seqs]
-        targets, normed, pending, proposed = self._verify(seqs, spans)
+        targets, normed, pending, proposed, static = self._verify(seqs, spans)
         kept, committed = [], []
         for seq, t in zip(seqs, targets):
             drafts = seq.drafts
@@ -177,9 +177,10 @@ class Speculator:
                     break
             kept.append(m)
             seq.drafts = []
-        slots, toks = zip(*committed)   # the penalties' counts, as plain decoding adds them
-        count_tokens(e._counts, torch.tensor(slots, dtype=torch.int32, device=e.device),
-                     torch.tensor(toks, dtype=torch.int32, device=e.device))
+        if not static:   # the penalties' counts, as plain decoding adds them (a static round counted on the device)
+            slots, toks = zip(*committed)
+            count_tokens(e._counts, torch.tensor(slots, dtype=torch.int32, device=e.device),
+                         torch.tensor(toks, dtype=torch.int32, device=e.device))
         if pending is not None:   # an op-by-op verify step: its GDN states advanced over the tokens kept
             commit_round(e.be, pending.keep, pending.query_start, pending.state_slots,
                          torch.tensor(kept, dtype=torch.int32, device=e.device))
@@ -203,8 +204,9 @@ class Speculator:
     def _verify(self, seqs, spans):
         """Run the verify step: (the target's token at each lane's rows, the final-normed hidden of every row, the step
         when its commit is still to run (else None: no lane had drafts, or a static round committed on the device),
-        each lane's next drafts when the step made them (else None)). A VerifyStep (replayed) when (with MTP) every
-        lane has all K drafts and the positions it writes fit; else op by op."""
+        each lane's next drafts when the step made them (else None), whether it was a VerifyStep (which also counted
+        the committed tokens for the penalties)). A VerifyStep (replayed) when (with MTP) every lane has all K drafts
+        and the positions it writes fit; else op by op."""
         e, cache = self.engine, self.engine.cache
         # the positions the step writes (its K + 1 rows; the MTP draft steps' K - 1 more), + 1: within what the lane
         # may ever hold (prompt + max_new, the pages a scheduler reserves for it), so near its end a lane's rounds run
@@ -219,7 +221,7 @@ class Speculator:
                 cache.grow(s.pages, r)
             vs = self.verify.get(len(seqs)) or self._verify_step(len(seqs))
             targets, drafts = vs.run(seqs)
-            return targets, vs.normed, None, drafts
+            return targets, vs.normed, None, drafts, True
         ids, step, rows = e._inputs(seqs, spans, all_rows=True)
         pending = None
         if any(s.drafts for s in seqs):   # the GDN states read, not written (gdn_verify): the commit follows
@@ -227,7 +229,7 @@ class Speculator:
             pending = step
         logits, normed = e.model.forward(e.be, ids, step, rows, normed=True)
         picks, qs = self._picks(logits, seqs, spans).tolist(), np.cumsum([0] + [b - a for a, b in spans])
-        return [picks[qs[i]:qs[i + 1]] for i in range(len(seqs))], normed, pending, None
+        return [picks[qs[i]:qs[i + 1]] for i in range(len(seqs))], normed, pending, None, False
 
     def _verify_step(self, b: int) -> VerifyStep:
         """The static round for b lanes, made on first use: captured as a CUDA graph where the engine captures its

@@ -66,11 +66,13 @@ class VerifyStep:
         self.pair_rows = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=dev)
         self.pair_drafts = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dev)
         self.no_commit = torch.zeros(b, dtype=torch.int32, device=dev)   # the verify's gdn_verify writes no state
+        self.row_in_lane = torch.arange(length, dtype=torch.int32, device=dev).repeat(b)
         self.normed = None
         self.graph = None
-        if graph:   # warm-up and capture write nothing real: no KV (slot -1), GDN state in the scratch slot
+        if graph:   # warm-up and capture write nothing real: no KV (slot -1), GDN state and counts in the scratch lane
             self.f["slot_mapping"].fill_(-1)
             self.state_slots.fill_(cache.max_seqs)
+            self.f["row_slots"].fill_(cache.max_seqs)
             self.f["stop_at"].fill_(length)
             self.f["top_p"].fill_(1.0)
             self.graph = capture(self._body)
@@ -92,8 +94,11 @@ class VerifyStep:
         t, fed = self.out.view(b, L), self.f["ids"].view(b, L)
         real_draft = torch.arange(L - 1, device=t.device)[None, :] < self.f["ndrafts"][:, None]
         n = ((fed[:, 1:] == t[:, :-1]) & real_draft).int().cumprod(1).sum(1)
-        # the commit: each lane's GDN states advanced over the rows it keeps, n + 1 or up to an accepted stop token
-        commit_round(e.be, keep, self.query_start, self.state_slots, torch.minimum(n + 1, self.f["stop_at"]).int())
+        # the commit: each lane's GDN states advanced over the rows it keeps, n + 1 or up to an accepted stop token,
+        # and those rows' tokens counted for the penalties (as plain decoding counts each token it picks)
+        kept = torch.minimum(n + 1, self.f["stop_at"]).int()
+        commit_round(e.be, keep, self.query_start, self.state_slots, kept)
+        count_tokens(e._counts, f["row_slots"], self.out, (self.row_in_lane < kept.repeat_interleave(L)).int())
         if not self.mtp:
             return
         last = e.model.mtp(e.be, self.out, self.normed, step).index_select(0, self.lanes * L + n)
