@@ -34,7 +34,9 @@ import numpy as np
 import torch
 
 from .decode_graph import count_tokens
-from .models.blocks import commit_round
+from .format_base import TILE_ROWS
+from .models.blocks import commit_round, linear
+from .weights import PackedWeight, split_rows
 from .verify_graph import VerifyStep
 
 log = logging.getLogger("ninfer.speculative")
@@ -54,6 +56,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int | None = None   # ngram: the longest suffix looked up (default 4)
     prompt_lookup_min: int | None = None   # ngram: the shortest (default 2)
+    draft_vocab_size: int | None = None    # mtp: draft over the first this many ids (+ the added tokens); see DraftVocab
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -71,6 +74,10 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_min", lo)
         elif self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
             raise SpeculativeConfigError("prompt_lookup_max / prompt_lookup_min apply to method 'ngram' only")
+        if self.draft_vocab_size is not None:
+            if self.method != "mtp":
+                raise SpeculativeConfigError("draft_vocab_size applies to method 'mtp' only (n-gram drafts read no lm_head)")
+            _count("draft_vocab_size", self.draft_vocab_size, 1 << 24)
 
     @classmethod
     def parse(cls, text: str) -> "SpeculativeConfig":
@@ -82,18 +89,73 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise SpeculativeConfigError('--speculative-config must be a JSON object such as '
                                          '{"method": "mtp", "num_speculative_tokens": 3}')
-        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_vocab_size")
         unknown = sorted(set(d) - set(known))
         if unknown:
             raise SpeculativeConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: "
                                          f"{', '.join(known)})")
         return cls(d.get("method", "mtp"), d.get("num_speculative_tokens", 3), d.get("prompt_lookup_max"),
-                   d.get("prompt_lookup_min"))
+                   d.get("prompt_lookup_min"), d.get("draft_vocab_size"))
 
 
 def _count(name: str, v, hi: int) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
         raise SpeculativeConfigError(f"{name} must be an integer in 1..{hi}, got {v!r}")
+
+
+def added_token_ids(art) -> list[int]:
+    """The ids of the tokenizer's added tokens (<|im_end|>, <think>, the tool-call tags, ...), none without one."""
+    try:
+        tok = json.loads(art.resource("tokenizer.json")) if art is not None else {}
+    except KeyError:
+        return []
+    return sorted(t["id"] for t in tok.get("added_tokens", []))
+
+
+def _rows_of(w) -> int:
+    return w.matrix[0] if isinstance(w, PackedWeight) else w.shape[0]
+
+
+class DraftVocab:
+    """The lm_head rows the MTP drafts are drawn from (speculative-config `draft_vocab_size` N, NInfer's
+    --lm-head-draft shortlist): ids below N rounded up to whole 128-row tiles (byte-level BPE numbers its tokens in
+    merge order, so the low ids are the frequent ones) and the tiles holding the tokenizer's added tokens (the end
+    of a turn, thinking and tool-call tags), both views of the lm_head's storage: no copy, and a draft reads about
+    N / V of the head's bytes. The target verifies over the whole vocabulary, so the output is unchanged; a draft
+    outside the shortlist is merely never proposed."""
+
+    def __init__(self, lm_head, n: int, added: list[int], domain: int):
+        rows = _rows_of(lm_head)
+        self.p = min(-(-n // TILE_ROWS) * TILE_ROWS, rows)
+        if self.p >= domain:
+            raise SpeculativeConfigError(f"draft_vocab_size {n} covers the whole vocabulary ({domain} ids): leave it out")
+        self.prefix = self._rows(lm_head, 0, self.p)
+        extra = [a for a in added if self.p <= a < domain]
+        self.tail = None
+        if extra:
+            self.t0 = extra[0] // TILE_ROWS * TILE_ROWS
+            t1 = min(-(-(extra[-1] + 1) // TILE_ROWS) * TILE_ROWS, rows)
+            self.tail, self.width = self._rows(lm_head, self.t0, t1), min(t1, domain) - self.t0
+
+    @staticmethod
+    def _rows(w, a: int, b: int):
+        """Rows [a, b) of the lm_head as a view of its storage."""
+        for cut, part in ((b, 0), (a, 1)):   # cut at b, keep the rows before it; then at a, keep those after
+            if 0 < cut < _rows_of(w):
+                pieces = split_rows(w, cut)
+                if pieces is None:
+                    raise SpeculativeConfigError(f"draft_vocab_size: the lm_head's storage does not split at row {cut}")
+                w = pieces[part]
+        return w
+
+    def argmax(self, be, hidden: torch.Tensor, out: torch.Tensor) -> None:
+        """out[i] = the draft vocabulary's id with the highest logit for hidden row i (final-normed)."""
+        logits = linear(be, hidden, self.prefix)
+        if self.tail is not None:
+            logits = torch.cat([logits, linear(be, hidden, self.tail)[:, :self.width]], dim=1)
+        idx = torch.empty_like(out)
+        be.run("argmax", logits=logits, ids=idx, domain=logits.shape[1])
+        out.copy_(torch.where(idx >= self.p, idx + (self.t0 - self.p), idx) if self.tail is not None else idx)
 
 
 class NgramIndex:
@@ -128,6 +190,8 @@ class Speculator:
         self.verify: dict[int, VerifyStep] = {}   # per batch size, made on first use
         self.static = True   # rounds that can use a VerifyStep do (False: every round op by op; A/B and tests)
         self._row_counts = None   # the VerifySteps' penalty counts per row, made once
+        self.draft_vocab = None if config.draft_vocab_size is None else DraftVocab(
+            engine.model.lm_head, config.draft_vocab_size, added_token_ids(engine.art), engine.domain)
 
     # -- prefill ---------------------------------------------------------------------------------
     def after_prefill(self, seq, a: int, b: int, normed: torch.Tensor | None) -> None:
@@ -239,12 +303,12 @@ class Speculator:
             self._row_counts = torch.zeros(e.cache.max_seqs * (self.k + 1), e.cfg.vocab, dtype=torch.int32,
                                            device=e.device)
         try:
-            vs = VerifyStep(e, b, self.k + 1, e.cuda_graphs, self._row_counts, self.mtp)
+            vs = VerifyStep(e, b, self.k + 1, e.cuda_graphs, self._row_counts, self.draft if self.mtp else None)
         except Exception:
             if not e.cuda_graphs:
                 raise
             log.exception("capturing the speculative round for %d lanes failed; it runs uncaptured", b)
-            vs = VerifyStep(e, b, self.k + 1, False, self._row_counts, self.mtp)
+            vs = VerifyStep(e, b, self.k + 1, False, self._row_counts, self.draft if self.mtp else None)
         self.verify[b] = vs
         return vs
 
@@ -271,6 +335,13 @@ class Speculator:
         ids, step, _ = e._inputs(seqs, spans, shift=1)
         return e.model.mtp(e.be, ids, hidden, step)
 
+    def draft(self, be, last: torch.Tensor, ids: torch.Tensor) -> None:
+        """ids[i] = the draft from MTP output row i: the argmax over the shared lm_head, or over the draft vocabulary."""
+        if self.draft_vocab is not None:
+            self.draft_vocab.argmax(be, last, ids)
+        else:
+            be.run("argmax", logits=self.engine.model.logits(be, last), ids=ids, domain=self.engine.domain)
+
     def _draft(self, seqs, last: torch.Tensor) -> None:
         """Each sequence's drafts for its next round, from the MTP output of its last kept pair (rows of `last`):
         one argmax over the shared lm_head, then one MTP step per further draft."""
@@ -278,7 +349,7 @@ class Speculator:
         budget = [self._budget(s) for s in seqs]
         for j in range(max(budget)):
             ids = torch.empty(last.shape[0], dtype=torch.int32, device=e.device)
-            e.be.run("argmax", logits=e.model.logits(e.be, last), ids=ids, domain=e.domain)
+            self.draft(e.be, last, ids)
             for s, tok in zip(seqs, ids.tolist()):
                 s.drafts.append(tok)
             go = [i for i, k in enumerate(budget) if k > j + 1]

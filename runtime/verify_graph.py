@@ -30,11 +30,11 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency")
 class VerifyStep:
     """The static round of b lanes of `length` = K + 1 tokens (see the module docstring)."""
 
-    def __init__(self, engine, b: int, length: int, graph: bool, counts: torch.Tensor, mtp: bool = True):
+    def __init__(self, engine, b: int, length: int, graph: bool, counts: torch.Tensor, draft=None):
         """counts: a [>= b * length, V] int32 buffer for the rows' penalty counts, shared by the steps (one runs at a
-        time). mtp: the step also drafts the next round with the MTP layer."""
+        time). draft(be, mtp_out, ids): where given, the step also drafts the next round with the MTP layer."""
         dev, cache = engine.device, engine.cache
-        self.engine, self.b, self.length, self.mtp = engine, b, length, mtp
+        self.engine, self.b, self.length, self.draft, self.mtp = engine, b, length, draft, draft is not None
         T = b * length
         self.width = cache.pages_per_seq
         self.stride = stride = -(-T // 4) * 4   # each field starts on a 16-byte boundary (vector loads)
@@ -106,7 +106,7 @@ class VerifyStep:
         real = self.f["slot_mapping"].view(b, L)[:, 0] >= 0          # (warm-up and capture write no KV)
         ps = e.cache.page_size
         for j in range(L - 1):
-            e.be.run("argmax", logits=e.model.logits(e.be, last), ids=self.drafts[j], domain=e.domain)
+            self.draft(e.be, last, self.drafts[j])
             if j == L - 2:
                 break
             pos = p + 1 + j   # pair (the previous output, draft j) one position on

@@ -111,6 +111,21 @@ def test_injected_drafts_accept_and_roll_back(engines, kind, wrong_at):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_draft_vocabulary_rounds(engines, kind, monkeypatch):
+    """draft_vocab_size 256 (vocab 1024): the captured rounds draft from the lm_head's first 256 rows only (two views
+    of its storage, the argmax and the id map inside the graph), and the output is plain decoding's up to near-ties."""
+    from ninfer.runtime.speculative import SpeculativeConfig, Speculator
+    plain, spec = engines(kind), engines(kind, SpeculativeConfig("mtp", 3, draft_vocab_size=256))
+    drafted = []
+    monkeypatch.setattr(Speculator, "_proposed", lambda self, seqs: drafted.extend(d for s in seqs for d in s.drafts))
+    ps = prompts(seed=5)
+    want = [s.generated for s in plain.generate(ps, max_new=32)]
+    got = [s.generated for s in spec.generate(ps, max_new=32)]
+    agree_up_to_near_ties(plain, ps, got, want)
+    assert len(drafted) > 30 and max(drafted) < 256 and spec.spec.verify[len(ps)].graph is not None
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_mtp_layer_agrees_with_the_reference_backend(engines, kind):
     """The MTP layer's outputs over one prompt's pairs, cuda against the reference backend (fp32 on the CPU,
     weights from the same artifact), within model_bf16."""

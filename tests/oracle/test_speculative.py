@@ -146,6 +146,56 @@ def test_static_round_drafts_what_the_op_by_op_round_drafts(kinds, kind):
     assert len(logs[True]) > 20 and logs[True] == logs[False]
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "q4"])
+def test_draft_vocabulary_argmax_reads_only_its_rows(fmt):
+    """DraftVocab over a [1024, 128] lm_head (a tensor, or packed q4 read by linear_q4) whose last 24 rows are padding
+    (domain 1000): ids below 200 rounded up to 256 and the tile of the added tokens 990 and 995 (896..999). Its
+    argmax equals the whole head's argmax with every other id masked, row by row, for rows whose winner lies on
+    either side of the cut."""
+    from ninfer.runtime.dispatch import backend
+    from ninfer.runtime.models.blocks import linear
+    from ninfer.runtime.speculative import DraftVocab
+    from ninfer.runtime.weights import random_packed
+    g = torch.Generator().manual_seed(3)
+    head = (torch.randn(1024, 128, generator=g) if fmt == "fp32"
+            else random_packed("q4", (1024, 128), "cpu", g, std=1.0))
+    be, hidden = backend("reference"), torch.randn(64, 128, generator=g)
+    dv = DraftVocab(head, 200, [2, 990, 995], domain=1000)
+    got = torch.empty(64, dtype=torch.int32)
+    dv.argmax(be, hidden, got)
+    full = linear(be, hidden, head).clone()
+    allowed = torch.zeros(1024, dtype=torch.bool)
+    allowed[:256] = allowed[896:1000] = True
+    want = full.masked_fill(~allowed, float("-inf")).argmax(1).int()
+    assert torch.equal(got, want)
+    assert (want < 256).any() and (want >= 896).any() and (full[:, :1000].argmax(1) != want).any()
+    with pytest.raises(SpeculativeConfigError, match="whole vocabulary"):
+        DraftVocab(head, 1000, [], domain=1000)
+
+
+def test_draft_vocabulary_drafts_inside_it_and_output_unchanged(ckpt, monkeypatch):
+    """draft_vocab_size 256 on the tiny dense model (vocab 1024, no added tokens): greedy output identical to plain
+    decoding, static and op-by-op rounds propose the same drafts, every one below 256, where the whole head's drafts
+    for the same prompts are not."""
+    from ninfer.runtime.speculative import Speculator
+    _, art = ckpt
+    ps = prompts(9, 17, 4, seed=8)
+    ref = plain(art, ps, 24)
+    logs = {}
+    for name, spec, static in (("full", MTP, True), ("static", SpeculativeConfig("mtp", 3, draft_vocab_size=256), True),
+                               ("op", SpeculativeConfig("mtp", 3, draft_vocab_size=256), False)):
+        log = logs[name] = []
+        monkeypatch.setattr(Speculator, "_proposed", lambda self, seqs, log=log: log.extend(
+            (tuple(s.prompt), len(s.tokens), list(s.drafts)) for s in seqs))
+        eng = engine(art, spec)
+        eng.spec.static = static
+        assert [s.generated for s in eng.generate(ps, max_new=24)] == ref
+        assert bool(eng.spec.verify) == static and eng.cache.in_use == (0, 0)
+    drafted = lambda name: [d for _, _, ds in logs[name] for d in ds]   # noqa: E731
+    assert len(logs["static"]) > 10 and logs["static"] == logs["op"]
+    assert max(drafted("static")) < 256 and max(drafted("full")) >= 256
+
+
 def test_static_round_accepts_sampled_drafts_that_hold(ckpt):
     """Seeded sampling lanes through the static round with drafts from their plain continuation: every draft equals
     the draw at its row (the same counter as plain decoding's), so all are accepted and the tokens are plain's."""
@@ -248,11 +298,15 @@ def test_bad_configurations_are_refused(ckpt, tmp_path):
     for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"num_speculative_tokens": 9}',
                 '{"num_speculative_tokens": "3"}', '{"model": "x"}', '[3]', 'mtp', '{"prompt_lookup_max": 3}',
                 '{"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}',
-                '{"method": "ngram", "prompt_lookup_max": 0}', '{"method": "ngram", "prompt_lookup_max": 17}'):
+                '{"method": "ngram", "prompt_lookup_max": 0}', '{"method": "ngram", "prompt_lookup_max": 17}',
+                '{"method": "ngram", "draft_vocab_size": 4096}', '{"draft_vocab_size": 0}', '{"draft_vocab_size": 1.5}'):
         with pytest.raises(SpeculativeConfigError):
             SpeculativeConfig.parse(bad)
     assert SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}') == SpeculativeConfig("mtp", 2)
     assert SpeculativeConfig.parse('{"method": "ngram"}') == SpeculativeConfig("ngram", 3, 4, 2)
+    assert SpeculativeConfig.parse('{"draft_vocab_size": 131072}') == SpeculativeConfig("mtp", 3, draft_vocab_size=131072)
+    with pytest.raises(SpeculativeConfigError, match="whole vocabulary"):
+        engine(ckpt[1], SpeculativeConfig("mtp", 3, draft_vocab_size=1024))
     assert SpeculativeConfig.parse('{"method": "ngram", "prompt_lookup_max": 1}') == SpeculativeConfig("ngram", 3, 1, 1)
     no_mtp = tmp_path / "no_mtp.ninfer"
     convert(plan_conversion(d, fmt="fp32", skip=("mtp",)), no_mtp)
