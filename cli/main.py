@@ -292,13 +292,14 @@ def main(artifact, prompt, messages_file, max_new, max_context, prefill_chunk, g
     # The weights: only now.
     from ninfer.runtime.cache import CapacityError
     from ninfer.runtime.engine import EngineError
+    from ninfer.runtime.speculative import SpeculativeConfigError
     engine = None
     try:
         t_load = time.perf_counter()
         try:
             engine = _engine_class()(artifact, backend=backend, max_context=max_context, max_seqs=1,
                                      prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, speculative=spec)
-        except (ArtifactError, ConfigError, EngineError, OSError) as e:
+        except (ArtifactError, ConfigError, EngineError, SpeculativeConfigError, OSError) as e:
             fail(str(e))
         except (RuntimeError, ValueError) as e:   # e.g. --backend cuda without a usable GPU
             fail(f"cannot start the {backend} backend: {e}")
