@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import click
 
-from ninfer.cli.bench_inputs import GDN_K_HEADS, SAMPLING, by_name, make_inputs, op_bytes, op_flops, timing_sets
+from ninfer.cli.bench_inputs import GDN_K_HEADS, SAMPLING, VERIFY_RUN, by_name, make_inputs, op_bytes, op_flops, timing_sets
 from ninfer.cli.bench_serve import serve_cmd
 from ninfer.cli.bench_spec import spec_cmd
 from ninfer.runtime.kv_dtype import KV_CACHE_DTYPES, kv_element_bytes
@@ -74,6 +74,9 @@ CASES = [
     *(("paged_attention_split", {"NH": nh, "NKV": nkv, "D": 256, "BS": 16, "KS": ks}, [1, 2, 4, 8])
       for nh, nkv in ((24, 4), (16, 2)) for ks in (8, 16, 32, 64)),
     *(("merge_attn_states", {"NH": 24, "D": 256, "KS": ks}, [1, 8]) for ks in (8, 16, 32, 64)),
+    # a verify step's attention: 1, 2 and 8 lanes of 4 tokens (K = 3), each lane's keys read once for 2 of its tokens
+    *(("paged_attention_verify", {"NH": nh, "NKV": nkv, "D": 256, "BS": 16, "KS": ks}, [4, 8, 32])
+      for nh, nkv in ((24, 4), (16, 2)) for ks in (8, 16, 32)),
     # the same over the FP8 cache (E4M3 codes, half the bytes)
     ("paged_attention_fp8", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 8, 4096]),
     *(("paged_attention_split_fp8", {"NH": 24, "NKV": 4, "D": 256, "BS": 16, "KS": ks}, [1, 2, 4, 8]) for ks in (8, 32)),
@@ -149,7 +152,8 @@ def _time_graph(torch, plans, reps: int, launches: int = 20) -> float:
 
 
 OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5}, "paged_attention": {"scale": 256 ** -0.5},
-             "paged_attention_split": {"scale": 256 ** -0.5}, "gdn_decode": {"scale": 128 ** -0.5}, "gdn_verify": {"scale": 128 ** -0.5},
+             "paged_attention_split": {"scale": 256 ** -0.5}, "paged_attention_verify": {"scale": 256 ** -0.5, "L": VERIFY_RUN},
+             "gdn_decode": {"scale": 128 ** -0.5}, "gdn_verify": {"scale": 128 ** -0.5},
              "paged_attention_fp8": {"scale": 256 ** -0.5}, "paged_attention_split_fp8": {"scale": 256 ** -0.5},
              "attn_qk_prep": {"theta": 1.0e7, "rotary_dim": 64}, "argmax": {"domain": 248077},
              "sample": {"domain": 248077}}

@@ -212,12 +212,14 @@ def _make_gdn_verify(torch, dims, rng):
 
 def _make_attention(torch, dims, rng, op):
     """T <= ATTN_DECODE_MAX_T: a decode step, T sequences of ATTN_CONTEXT tokens each, one query token per sequence.
-    Larger T: a prefill chunk, the last T tokens of one ATTN_CONTEXT-token prompt. Every page of the cache belongs to
+    Larger T: a prefill chunk, the last T tokens of one ATTN_CONTEXT-token prompt. paged_attention_verify: T / VERIFY_RUN
+    lanes, each querying its last VERIFY_RUN positions. Every page of the cache belongs to
     a sequence (so the cache's bytes are the bytes the launch must read). paged_attention_split writes KS partials
     per (token, head) instead of o. The _fp8 ops read E4M3 codes: random magnitudes below 4 (codes < 0x48), random signs."""
     T, nh, nkv, d, bs = dims["T"], dims["NH"], dims["NKV"], dims["D"], dims["BS"]
     decode = T <= ATTN_DECODE_MAX_T
-    seqs, mb = (T if decode else 1), ATTN_CONTEXT // bs
+    run = VERIFY_RUN if op == "paged_attention_verify" else 1   # a verify step: lanes of VERIFY_RUN tokens
+    seqs, mb = (T // run if decode else 1), ATTN_CONTEXT // bs
     dev = rng.device
     if op.endswith("_fp8"):
         shape = (seqs * mb, bs, nkv, d)
@@ -227,11 +229,11 @@ def _make_attention(torch, dims, rng, op):
         cache = lambda: torch.randn(seqs * mb, bs, nkv, d, device=dev, generator=rng).bfloat16()  # noqa: E731
     ts = {"q": torch.randn(T, nh, d, device=dev, generator=rng).bfloat16(), "k_cache": cache(), "v_cache": cache(),
           "block_table": torch.randperm(seqs * mb, device=dev, generator=rng).int().view(seqs, mb),
-          "token_seq": (torch.arange(T, dtype=torch.int32, device=dev) if decode
+          "token_seq": (torch.arange(seqs, dtype=torch.int32, device=dev).repeat_interleave(run) if decode
                         else torch.zeros(T, dtype=torch.int32, device=dev)),
-          "positions": (torch.full((T,), ATTN_CONTEXT - 1, dtype=torch.int32, device=dev) if decode
-                        else torch.arange(ATTN_CONTEXT - T, ATTN_CONTEXT, dtype=torch.int32, device=dev))}
-    if not op.startswith("paged_attention_split"):
+          "positions": (torch.arange(ATTN_CONTEXT - run, ATTN_CONTEXT, dtype=torch.int32, device=dev).repeat(seqs)
+                        if decode else torch.arange(ATTN_CONTEXT - T, ATTN_CONTEXT, dtype=torch.int32, device=dev))}
+    if not op.startswith(("paged_attention_split", "paged_attention_verify")):
         ts["o"] = torch.empty(T, nh, d, device=dev, dtype=torch.bfloat16)
     else:
         ks = dims["KS"]

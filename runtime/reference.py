@@ -145,26 +145,51 @@ def paged_attention(q, k_cache, v_cache, block_table, token_seq, positions, scal
     return {"o": out}
 
 
-def paged_attention_split(q, k_cache, v_cache, block_table, token_seq, positions, scale, dims):
+def _split_partials(qt, K, V, scale, ks: int, nt: int):
+    """One token's (m, l, O / l) per split [nh, ks(, d)]: the n = len(K) keys in cdiv(n, 16) chunks cut into ks
+    splits, keys from nt on left out (a verify lane's earlier token)."""
+    n, dev = K.shape[0], qt.device
+    x = torch.einsum("hd,nhd->hn", qt, K) * (scale * 1.4426950408889634)                         # [nh, n]
+    chunks = (n + 15) // 16
+    ends = torch.tensor([16 * (chunks * (i + 1) // ks) for i in range(ks)], device=dev)
+    split = torch.searchsorted(ends, torch.arange(n, device=dev), right=True)                     # each key's split
+    mine = (split[None, :] == torch.arange(ks, device=dev)[:, None]) & (torch.arange(n, device=dev) < nt)   # [ks, n]
+    xs = x[None].masked_fill(~mine[:, None, :], float("-inf"))                                   # [ks, nh, n]
+    mx = xs.max(-1).values                                                                       # [ks, nh]
+    w = torch.exp2(xs - mx.clamp(min=-3e38)[..., None])   # 0 for keys of other splits (and empty splits)
+    sw = w.sum(-1)
+    po = torch.einsum("shn,nhd->shd", w, V) / sw.clamp(min=1e-30)[..., None]
+    return mx.T, sw.T, po.transpose(0, 1)
+
+
+def _partials(q, ks: int):
     T, nh, d = q.shape
-    ks, log2e = dims["KS"], 1.4426950408889634
-    part_o = q.new_zeros(T, nh, ks, d, dtype=torch.float32)
-    m = q.new_full((T, nh, ks), float("-inf"), dtype=torch.float32)
-    l = q.new_zeros(T, nh, ks, dtype=torch.float32)
-    for t in range(T):
+    return (q.new_zeros(T, nh, ks, d, dtype=torch.float32), q.new_full((T, nh, ks), float("-inf"), dtype=torch.float32),
+            q.new_zeros(T, nh, ks, dtype=torch.float32))
+
+
+def paged_attention_split(q, k_cache, v_cache, block_table, token_seq, positions, scale, dims):
+    part_o, m, l = _partials(q, dims["KS"])
+    for t in range(q.shape[0]):
         n = min(int(positions[t]) + 1, block_table.shape[1] * k_cache.shape[1])
         K, V = _keys_values(q, k_cache, v_cache, block_table, int(token_seq[t]), n)
-        x = torch.einsum("hd,nhd->hn", q[t], K) * (scale * log2e)                                # [nh, n]
-        chunks = (n + 15) // 16
-        ends = torch.tensor([16 * (chunks * (i + 1) // ks) for i in range(ks)], device=q.device)
-        split = torch.searchsorted(ends, torch.arange(n, device=q.device), right=True)           # each key's split
-        mine = split[None, :] == torch.arange(ks, device=q.device)[:, None]                      # [ks, n]
-        xs = x[None].masked_fill(~mine[:, None, :], float("-inf"))                               # [ks, nh, n]
-        mx = xs.max(-1).values                                                                   # [ks, nh]
-        w = torch.exp2(xs - mx.clamp(min=-3e38)[..., None])   # 0 for keys of other splits (and empty splits)
-        sw = w.sum(-1)
-        po = torch.einsum("shn,nhd->shd", w, V) / sw.clamp(min=1e-30)[..., None]
-        m[t], l[t], part_o[t] = mx.T, sw.T, po.transpose(0, 1)
+        m[t], l[t], part_o[t] = _split_partials(q[t], K, V, scale, dims["KS"], n)
+    return {"part_o": part_o, "m": m, "l": l}
+
+
+def paged_attention_verify(q, k_cache, v_cache, block_table, token_seq, positions, scale, L, dims):
+    T = q.shape[0]
+    seq = token_seq.view(T // L, L)
+    if not bool((seq == seq[:, :1]).all()):
+        raise ValueError(f"paged_attention_verify: token_seq must be constant over each lane's {L} rows")
+    cap = block_table.shape[1] * k_cache.shape[1]
+    part_o, m, l = _partials(q, dims["KS"])
+    for lane in range(T // L):
+        rows = range(lane * L, lane * L + L)
+        n = min(max(int(positions[t]) for t in rows) + 1, cap)   # the lane's longest token cuts the splits
+        K, V = _keys_values(q, k_cache, v_cache, block_table, int(token_seq[lane * L]), n)
+        for t in rows:
+            m[t], l[t], part_o[t] = _split_partials(q[t], K, V, scale, dims["KS"], min(int(positions[t]) + 1, cap))
     return {"part_o": part_o, "m": m, "l": l}
 
 
@@ -396,7 +421,7 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
 
 
 REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, sigmoid_gate_add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
-                                      linear_swiglu, attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split,
+                                      linear_swiglu, attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split, paged_attention_verify,
                                       kv_cache_write_fp8, paged_attention_fp8, paged_attention_split_fp8, merge_attn_states, gdn_conv, gdn_gates,
                                       gdn_delta_rule, gdn_gated_norm, gdn_decode, gdn_verify, moe_router, moe_topk, moe_router_topk, moe_experts, moe_align, moe_sum,
                                       sigmoid_gate_add, argmax, sample)}

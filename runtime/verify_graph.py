@@ -82,7 +82,7 @@ class VerifyStep:
         keep = []
         step = Step(positions=self.f["positions"], token_seq=self.token_seq, query_start=self.query_start,
                     slot_mapping=self.f["slot_mapping"], block_table=self.block_table, state_slots=self.state_slots,
-                    keep=keep, commit=self.no_commit)
+                    keep=keep, commit=self.no_commit, run=L)
         logits, self.normed = e.model.forward(e.be, self.f["ids"], step, self.rows, normed=True)
         f = self.f
         self.counts.copy_(e._counts.index_select(0, f["row_slots"]))   # the lane's generated tokens, + its drafts

@@ -30,6 +30,7 @@ class Step:
     # and append (themselves, their input, its [q|k|v|z] projection) to `keep` for the round's commit (commit_round)
     keep: list | None = None
     commit: torch.Tensor | None = None
+    run: int = 0                 # tokens per sequence where all have as many (a static verify step's K + 1), else 0
 
 
 def new(like: torch.Tensor, *shape, dtype=None) -> torch.Tensor:
@@ -94,6 +95,13 @@ ATTN_SPLIT_MAX_KS = _env_tokens("NINFER_ATTN_SPLIT_MAX_KS", 32) or 32
 # epilogue (linear_swiglu), where the backend has it: the [T, 2I] projection is neither rounded nor written and
 # read back. Below it, and without the op, the projection then silu_and_mul. NINFER_SWIGLU_MIN_T: A/B runs.
 SWIGLU_MIN_T = _env_tokens("NINFER_SWIGLU_MIN_T", DEQUANT_MIN_T)
+
+
+# Attention of a verify step (Step.run > 1) as paged_attention_verify: a block takes up to 16 // G of a lane's tokens
+# (G query heads a kv head) as the rows of its tile, so a key read serves several of the lane's K + 1 tokens where
+# paged_attention_split reads the lane's keys once per token. Written after the last GPU call (PERF_NOTES.md,
+# session 29): off until it has run on a GPU; NINFER_ATTN_VERIFY=1 turns it on (A/B runs).
+ATTN_VERIFY = os.environ.get("NINFER_ATTN_VERIFY", "0") == "1"
 
 
 def attn_splits(T: int, kv_heads: int) -> int:
@@ -252,16 +260,27 @@ class GatedAttention:
         o = torch.empty_like(q)
         cache = dict(q=q, k_cache=self.k_cache, v_cache=self.v_cache, block_table=step.block_table,
                      token_seq=step.token_seq, positions=step.positions, scale=c.head_dim ** -0.5)
-        if T <= ATTN_SPLIT_MAX_T:   # flash decoding: many blocks per token, then the merge (with the output gate)
-            ks = attn_splits(T, c.kv_heads)
-            part_o = new(x, T, c.heads, ks, c.head_dim, dtype=torch.float32)
-            m, l = new(x, T, c.heads, ks, dtype=torch.float32), new(x, T, c.heads, ks, dtype=torch.float32)
+        L = step.run
+        if ATTN_VERIFY and L > 1 and not self.fp8 and be.has_op("paged_attention_verify"):
+            r = min(L, max(1, 16 // (c.heads // c.kv_heads)))   # a block's tokens (the kernel's R)
+            ks = attn_splits(T // L * -(-L // r), c.kv_heads)
+            part_o, m, l = self._partials(x, T, ks)
+            be.run("paged_attention_verify", **cache, part_o=part_o, m=m, l=l, L=L)
+            be.run("merge_attn_states", part_o=part_o, m=m, l=l, gate=gate, o=o)
+        elif T <= ATTN_SPLIT_MAX_T:   # flash decoding: many blocks per token, then the merge (with the output gate)
+            part_o, m, l = self._partials(x, T, attn_splits(T, c.kv_heads))
             be.run("paged_attention_split" + kv, **cache, part_o=part_o, m=m, l=l)
             be.run("merge_attn_states", part_o=part_o, m=m, l=l, gate=gate, o=o)
         else:
             be.run("paged_attention" + kv, **cache, o=o)
             be.run("sigmoid_mul", x=o.view(T, -1), g=gate.view(T, -1), y=o.view(T, -1))
         return linear(be, o.view(T, -1), self.o)
+
+    def _partials(self, x, T: int, ks: int):
+        """Flash decoding's per-split (O / l, m, l) buffers for T tokens in ks splits."""
+        c = self.cfg
+        return (new(x, T, c.heads, ks, c.head_dim, dtype=torch.float32), new(x, T, c.heads, ks, dtype=torch.float32),
+                new(x, T, c.heads, ks, dtype=torch.float32))
 
 
 class GatedDeltaNet:

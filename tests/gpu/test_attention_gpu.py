@@ -1,5 +1,5 @@
 """Gated-attention kernels on the GPU (attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split,
-merge_attn_states) against the reference backend run on cloned GPU tensors (fp32 math), compared with each
+paged_attention_verify, merge_attn_states) against the reference backend run on cloned GPU tensors (fp32 math), compared with each
 contract's named tolerance.
 
 paged_attention cases are built like the engine's steps (pages of a shared pool in shuffled order, block
@@ -287,7 +287,8 @@ def check_split(be, ref, problem, seqs, ks, seed, route=None, op="paged_attentio
     be.run("merge_attn_states", **got, gate=gate, o=o)
     torch.cuda.synchronize()
     attn = torch.empty_like(o)
-    ref.run(op.replace("_split", ""), **ts, o=attn, **params)
+    full = "paged_attention" if op == "paged_attention_verify" else op.replace("_split", "")
+    ref.run(full, **ts, o=attn, **{k: v for k, v in params.items() if k != "L"})
     expect = (attn.float() * torch.sigmoid(gate.float())).bfloat16()
     assert (v := compare(o, expect, preset, f"split + merge {what}")), v.detail
     return plan.kernel.instance
@@ -297,6 +298,34 @@ def check_split(be, ref, problem, seqs, ks, seed, route=None, op="paged_attentio
 def test_paged_attention_split_every_route(be, ref, route, problem, scenario, ks):
     seqs = ROUTE_SCENARIOS[scenario]
     assert check_split(be, ref, problem, seqs, ks, seed=len(scenario) + ks, route=route) == route
+
+
+def verify_lanes(L):
+    """Lanes of L tokens (a verify step of K = L - 1 drafts): long contexts, a lane across the 32-key chunk boundary
+    (its earlier tokens see one chunk fewer than the lane's cut), one just past a chunk start, one from position 0."""
+    return [(1200, L), (517, L), (33, L), (17, L), (L, L)]
+
+
+@pytest.mark.parametrize("route,problem", admitted("paged_attention_verify"), ids=str)
+@pytest.mark.parametrize("L", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("ks", [1, 7, 64])
+def test_paged_attention_verify_every_route(be, ref, route, problem, L, ks):
+    """Each route on lanes of L tokens (R = min(L, 16 // G) of them a block: 27B 2, TINY 8, odd L leave a block one
+    token), split counts from one to more splits than a lane has chunks: partials against the reference's (the
+    lane's cut, each token's own keys), merged against paged_attention."""
+    assert check_split(be, ref, problem, verify_lanes(L), ks, seed=L * 100 + ks, route=route,
+                       op="paged_attention_verify", extra={"L": L}) == route
+
+
+@pytest.mark.parametrize("problem", [REAL_27B, REAL_35B], ids=str)
+@pytest.mark.parametrize("L", [2, 4])
+def test_paged_attention_verify_table(be, ref, problem, L):
+    """The table's choice for verify steps of 1..8 lanes of L tokens at the split counts the model uses."""
+    from ninfer.runtime.models.blocks import attn_splits
+    r = min(L, 16 // (problem[0] // problem[1]))
+    for lanes in (1, 3, 8):
+        check_split(be, ref, problem, [(2000 + 37 * i, L) for i in range(lanes)],
+                    attn_splits(lanes * -(-L // r), problem[1]), seed=lanes, op="paged_attention_verify", extra={"L": L})
 
 
 @pytest.mark.parametrize("problem", ATTN_PROBLEMS, ids=str)

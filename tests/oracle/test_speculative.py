@@ -196,6 +196,28 @@ def test_draft_vocabulary_drafts_inside_it_and_output_unchanged(ckpt, monkeypatc
     assert max(drafted("static")) < 256 and max(drafted("full")) >= 256
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_verify_attention_keeps_output_and_drafts(kinds, kind, monkeypatch):
+    """NINFER_ATTN_VERIFY's path (the static round's attention layers, the MTP layer's too, as paged_attention_verify
+    over each lane's K + 1 rows): the tokens plain decoding's, and the drafts those of the rounds without it."""
+    from ninfer.runtime.models import blocks
+    _, art = kinds(kind)
+    ps = prompts(9, 17, 4, seed=7)
+    ref = plain(art, ps, 24)
+    logs, calls = {}, []
+    for on in (False, True):
+        monkeypatch.setattr(blocks, "ATTN_VERIFY", on)
+        eng = engine(art)
+        log = logs[on] = []
+        eng.spec._proposed = lambda seqs, log=log: log.extend((tuple(s.prompt), len(s.tokens), list(s.drafts))
+                                                               for s in seqs)
+        run = eng.be.run
+        eng.be.run = lambda op, **kw: (calls.append((on, op)) if op == "paged_attention_verify" else None) or run(op, **kw)
+        assert [s.generated for s in eng.generate(ps, max_new=24)] == ref
+    assert len(logs[True]) > 10 and logs[True] == logs[False]
+    assert calls and all(on for on, _ in calls)
+
+
 def test_static_round_accepts_sampled_drafts_that_hold(ckpt):
     """Seeded sampling lanes through the static round with drafts from their plain continuation: every draft equals
     the draw at its row (the same counter as plain decoding's), so all are accepted and the tokens are plain's."""

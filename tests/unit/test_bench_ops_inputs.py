@@ -145,6 +145,26 @@ def test_gdn_verify_inputs_are_runs_that_commit_and_run():
     assert compare(steps["state"], ts["state"], PRESET, "state")   # (b/a from a [1, H] or [4, H] product: not bitwise)
 
 
+def test_verify_attention_inputs_are_lanes_of_verify_run_tokens():
+    """paged_attention_verify's inputs: T / VERIFY_RUN lanes, each querying its last VERIFY_RUN positions of an
+    ATTN_CONTEXT-token sequence (its own pages); the partials, merged, are paged_attention's on the same inputs."""
+    from ninfer.cli.bench_inputs import ATTN_CONTEXT, VERIFY_RUN
+    be = ReferenceBackend()
+    dims = {"T": 2 * VERIFY_RUN, "NH": 4, "NKV": 2, "D": 32, "BS": 16, "KS": 8}
+    ts = make_inputs(torch, be.contract("paged_attention_verify"), "bf16", dict(dims), torch.Generator().manual_seed(0),
+                     "paged_attention_verify")
+    assert ts["token_seq"].tolist() == [0] * VERIFY_RUN + [1] * VERIFY_RUN
+    assert ts["positions"].tolist() == 2 * list(range(ATTN_CONTEXT - VERIFY_RUN, ATTN_CONTEXT))
+    assert ts["block_table"].shape == (2, ATTN_CONTEXT // 16) and len(set(ts["block_table"].flatten().tolist())) == 1024
+    ts = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in ts.items()}
+    be.run("paged_attention_verify", **ts, scale=0.2, L=VERIFY_RUN)
+    gate, o, attn = torch.zeros(dims["T"], 4, 32), torch.empty(dims["T"], 4, 32), torch.empty(dims["T"], 4, 32)
+    be.run("merge_attn_states", part_o=ts["part_o"], m=ts["m"], l=ts["l"], gate=gate, o=o)
+    be.run("paged_attention", **{k: ts[k] for k in ("q", "k_cache", "v_cache", "block_table", "token_seq", "positions")},
+           scale=0.2, o=attn)
+    assert torch.allclose(o, attn * 0.5, atol=1e-5)
+
+
 def test_gdn_prefill_inputs_are_one_sequence_and_run():
     """gdn_conv and gdn_delta_rule as ninfer-tune times them: one sequence of T tokens, its state in one slot."""
     be = ReferenceBackend()

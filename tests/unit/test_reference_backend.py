@@ -245,6 +245,40 @@ def test_split_attention_and_merge_compose_to_gated_paged_attention(be, ks):
     assert not part["l"][0][empty].any() and not part["part_o"][0][empty].any()
 
 
+@pytest.mark.parametrize("ks", [1, 3, 16])
+def test_verify_attention_and_merge_compose_to_gated_paged_attention(be, ks):
+    """paged_attention_verify over two lanes of 3 tokens, the second lane's tokens at 38..40 (3 chunks, a cut by its
+    longest token): merged, paged_attention times sigmoid(gate); where a token's own keys stop before its lane's
+    (token 3 has no key in the lane's last chunk) a split it has no keys in holds m = -inf, l = 0, O = 0; L = 1 is
+    paged_attention_split; lanes that mix sequences are refused."""
+    g = torch.Generator().manual_seed(ks)
+    nh, nkv, d, bs = 6, 2, 32, 16
+    kc, vc = torch.randn(12, bs, nkv, d, generator=g), torch.randn(12, bs, nkv, d, generator=g)
+    table = torch.randperm(12, generator=g)[:8].to(torch.int32).view(2, 4)
+    cache = dict(q=torch.randn(6, nh, d, generator=g), k_cache=kc, v_cache=vc, block_table=table,
+                 token_seq=torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32),
+                 positions=torch.tensor([5, 6, 7, 30, 31, 32], dtype=torch.int32), scale=0.2)
+    part = dict(part_o=torch.empty(6, nh, ks, d), m=torch.empty(6, nh, ks), l=torch.empty(6, nh, ks))
+    be.run("paged_attention_verify", **cache, **part, L=3)
+    gate, o, attn = torch.randn(6, nh, d, generator=g), torch.empty(6, nh, d), torch.empty(6, nh, d)
+    be.run("merge_attn_states", **part, gate=gate, o=o)
+    be.run("paged_attention", **cache, o=attn)
+    assert torch.allclose(o, attn * torch.sigmoid(gate), atol=1e-5)
+    # token 3 (31 keys, 2 chunks) under its lane's cut (33 keys, 3 chunks): the third chunk's split(s) are empty for
+    # it and not for token 5
+    cut = [3 * (i + 1) // ks for i in range(ks)]   # chunk ends of the splits
+    last = [i for i in range(ks) if cut[i] == 3 and (i == 0 or cut[i - 1] < 3)][0]   # the split with chunk 2
+    if ks >= 3:
+        assert (part["m"][3][:, last] == float("-inf")).all() and not part["l"][3][:, last].any()
+        assert (part["m"][5][:, last] > float("-inf")).all()
+    split = dict(part_o=torch.empty(6, nh, ks, d), m=torch.empty(6, nh, ks), l=torch.empty(6, nh, ks))
+    be.run("paged_attention_split", **cache, **split)
+    be.run("paged_attention_verify", **cache, **part, L=1)
+    assert all(torch.equal(part[k], split[k]) for k in part)
+    with pytest.raises(ValueError, match="constant over each lane"):
+        be.run("paged_attention_verify", **cache, **part, L=2)
+
+
 def test_forced_routes_parse_and_refuse_malformed_entries():
     from ninfer.runtime.dispatch import forced_routes
     assert forced_routes("") == {}
