@@ -448,6 +448,26 @@ def test_ngram_drafts_hold_on_the_demo_model(demo_artifact):
     plain_eng.close()
 
 
+def test_draft_vocabulary_on_the_demo_model(demo_artifact, monkeypatch):
+    """The demo model (the real Qwen3.5 tokenizer, 248077 ids in 248320 tied embedding rows, an MTP layer):
+    draft_vocab_size 131072 drafts over ids below 131072 and the tile rows 247936.. up to the domain, which hold its
+    33 added tokens (<|im_end|>, <think>, the tool-call tags, ...); greedy output identical to plain decoding."""
+    from ninfer.runtime.speculative import Speculator
+    from ninfer.runtime.tokenizer import Tokenizer
+    eng = Engine(demo_artifact, backend="reference", max_context=128, max_seqs=2,
+                 speculative=SpeculativeConfig("mtp", 3, draft_vocab_size=131072))
+    plain_eng = Engine(demo_artifact, backend="reference", max_context=128, max_seqs=2)
+    dv, end = eng.spec.draft_vocab, Tokenizer.from_artifact(eng.art).encode("<|im_end|>")[0]
+    assert (dv.p, dv.t0, dv.t0 + dv.width) == (131072, 247936, eng.domain) and dv.t0 <= end < eng.domain
+    drafted = []
+    monkeypatch.setattr(Speculator, "_proposed", lambda self, seqs: drafted.extend(d for s in seqs for d in s.drafts))
+    ids = Tokenizer.from_artifact(eng.art).encode("Once upon a time")
+    assert eng.generate([ids], max_new=16)[0].generated == plain_eng.generate([ids], max_new=16)[0].generated
+    assert drafted and all(d < 131072 or 247936 <= d < eng.domain for d in drafted)
+    eng.close()
+    plain_eng.close()
+
+
 @pytest.mark.parametrize("kind,spec", [("dense", MTP), ("dense", NGRAM), ("demo", NGRAM)])
 def test_lane_state_after_rounds_equals_plain_decodings(kinds, demo_artifact, kind, spec):
     """The GDN states a finished lane keeps (prefix caching: its state after all its tokens but the last) equal the
