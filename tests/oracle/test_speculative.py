@@ -393,12 +393,14 @@ def test_bench_spec_runs_the_three_modes(ckpt):
     rows = bench_spec(eng.cfg, eng, [1, 2], 12, rounds=4, k=3, fmt="bf16", copy_gbs=None, echo=lines.append,
                       profile=profile)
     got = {(r["concurrency"], r["mode"]): r for r in rows}
-    assert len(got) == 6 and len(lines) == 8
+    assert len(got) == 6 and len(lines) == 10
     assert profiled == [(c, True, spec) for c in (1, 2) for spec in (False, True, True)]
     for c in (1, 2):
         assert got[c, "plain"]["tokens_per_call"] == c and got[c, "plain"]["acceptance"] is None
         assert c <= got[c, "mtp drafts"]["tokens_per_call"] < 2 * c
         assert got[c, "known drafts"]["tokens_per_call"] == 4 * c and got[c, "known drafts"]["acceptance"] == 1.0
+        known = got[c, "known drafts"]
+        assert known["projected_tok_s"]["0.80"] == pytest.approx(c * (1 + 3 * 0.8) / (known["call_ms"] / 1e3))
     assert eng.cache.in_use == (0, 0)
 
 
