@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .decode_graph import count_tokens
-from .format_base import TILE_ROWS
+from .format_base import TILE_ROWS, align_up
 from .models.blocks import commit_round, linear
 from .weights import PackedWeight, split_rows
 from .verify_graph import VerifyStep
@@ -126,7 +126,7 @@ class DraftVocab:
 
     def __init__(self, lm_head, n: int, added: list[int], domain: int):
         rows = _rows_of(lm_head)
-        self.p = min(-(-n // TILE_ROWS) * TILE_ROWS, rows)
+        self.p = min(align_up(n, TILE_ROWS), rows)
         if self.p >= domain:
             raise SpeculativeConfigError(f"draft_vocab_size {n} covers the whole vocabulary ({domain} ids): leave it out")
         self.prefix = self._rows(lm_head, 0, self.p)
@@ -134,7 +134,7 @@ class DraftVocab:
         self.tail = None
         if extra:
             self.t0 = extra[0] // TILE_ROWS * TILE_ROWS
-            t1 = min(-(-(extra[-1] + 1) // TILE_ROWS) * TILE_ROWS, rows)
+            t1 = min(align_up(extra[-1] + 1, TILE_ROWS), rows)
             self.tail, self.width = self._rows(lm_head, self.t0, t1), min(t1, domain) - self.t0
 
     @staticmethod

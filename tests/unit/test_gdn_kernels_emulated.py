@@ -46,6 +46,18 @@ def silu(v):
     return v / (np.float32(1) + np.exp(-v))
 
 
+def launch(ts: dict):
+    """A gdn_verify launch as the mirrors read it: the fp32 tensors (w_ba as rows h (b) and HV + h (a)), the runs, and
+    the dims (HK, R, H, DK, DV, HV, C)."""
+    x, qkvz, w_ba, conv_w = (f32(ts[k]) for k in ("x", "qkvz", "w_ba", "conv_w"))
+    A_log, dt_bias, norm_w = f32(ts["A_log"]).reshape(-1), f32(ts["dt_bias"]).reshape(-1), f32(ts["norm_w"])
+    HK, R, H = ts["w_ba"].shape[1], ts["w_ba"].shape[2], ts["w_ba"].shape[3]
+    DK, DV = ts["state"].shape[3], ts["state"].shape[4]
+    HV, C = HK * R, conv_w.shape[0]
+    return ((x, qkvz, w_ba.reshape(2 * HV, H), conv_w, A_log, dt_bias, norm_w),
+            tuple(ts[k].tolist() for k in ("query_start", "slots", "commit")), (HK, R, H, DK, DV, HV, C))
+
+
 def emulate(tile: dict, ts: dict, scale: float, eps: float = 1e-6, norm_eps: float = 1e-6) -> dict:
     """The kernel's effect on copies of y, conv_state and state."""
     G, DKMAX, DVMAX, LT, THREADS = tile["g"], tile["dk"], tile["dv"], tile["lt"], tile["threads"]
@@ -53,13 +65,7 @@ def emulate(tile: dict, ts: dict, scale: float, eps: float = 1e-6, norm_eps: flo
     CQ = DVMAX // (4 * WARPS)
     RG = 32 // CQ
     NR = DKMAX // RG
-    x, qkvz, w_ba, conv_w = (f32(ts[k]) for k in ("x", "qkvz", "w_ba", "conv_w"))
-    A_log, dt_bias, norm_w = f32(ts["A_log"]).reshape(-1), f32(ts["dt_bias"]).reshape(-1), f32(ts["norm_w"])
-    qs, slots, commit = (ts[k].tolist() for k in ("query_start", "slots", "commit"))
-    HK, R, H = ts["w_ba"].shape[1], ts["w_ba"].shape[2], ts["w_ba"].shape[3]
-    DK, DV = ts["state"].shape[3], ts["state"].shape[4]
-    HV, C = HK * R, conv_w.shape[0]
-    w_ba = w_ba.reshape(2 * HV, H)                                   # rows h (b) and HV + h (a)
+    (x, qkvz, w_ba, conv_w, A_log, dt_bias, norm_w), (qs, slots, commit), (HK, R, H, DK, DV, HV, C) = launch(ts)
     conv_state = ts["conv_state"].clone()                            # raw bf16 values: moved, never rounded
     state = f32(ts["state"]).reshape(-1, HV, DK, DV).copy()
     y = torch.full(ts["y"].shape, float("nan"), dtype=torch.bfloat16).reshape(-1, HV, DV)
@@ -260,13 +266,8 @@ def emulate_verify_smem(tile: dict, ts: dict, scale: float, eps: float = 1e-6, n
     G, DKMAX, THREADS = tile["g"], tile["dk"], tile["threads"]
     WARPS = THREADS // 32
     RPW = DKMAX // WARPS
-    x, qkvz, w_ba, conv_w = (f32(ts[k]) for k in ("x", "qkvz", "w_ba", "conv_w"))
-    A_log, dt_bias, norm_w = f32(ts["A_log"]).reshape(-1), f32(ts["dt_bias"]).reshape(-1), f32(ts["norm_w"])
-    qs, slots, commit = (ts[k].tolist() for k in ("query_start", "slots", "commit"))
-    HK, R, H = ts["w_ba"].shape[1], ts["w_ba"].shape[2], ts["w_ba"].shape[3]
-    DK, DV = ts["state"].shape[3], ts["state"].shape[4]
-    HV, C, dv4 = HK * R, conv_w.shape[0], DV // 4
-    w_ba = w_ba.reshape(2 * HV, H)
+    (x, qkvz, w_ba, conv_w, A_log, dt_bias, norm_w), (qs, slots, commit), (HK, R, H, DK, DV, HV, C) = launch(ts)
+    dv4 = DV // 4
     conv_state = ts["conv_state"].clone()
     state = f32(ts["state"]).reshape(-1, HV, DK, DV).copy()
     y = torch.full(ts["y"].shape, float("nan"), dtype=torch.bfloat16).reshape(-1, HV, DV)
