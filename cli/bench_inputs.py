@@ -12,6 +12,12 @@ VERIFY_RUN = 4   # gdn_verify inputs: runs of a verify step's K + 1 tokens a lan
 L2_BYTES = 60 << 20
 
 
+def verify_run(T: int) -> int:
+    """A verify step's tokens a lane at T tokens: VERIFY_RUN where T holds whole lanes of it, else the largest run
+    below it that does (T = 3: one lane of K = 2; T = 7: seven lanes of one token), so every T has a valid step."""
+    return next(r for r in range(min(T, VERIFY_RUN), 0, -1) if T % r == 0)
+
+
 def is_expert_op(op: str) -> bool:
     """The routed-expert ops (moe_experts*, their split and grouped forms, moe_align, moe_sum): inputs from
     make_inputs' MoE branch, sets from moe_sets; not moe_router / moe_topk (plain tensors)."""
@@ -212,13 +218,13 @@ def _make_gdn_verify(torch, dims, rng):
 
 def _make_attention(torch, dims, rng, op):
     """T <= ATTN_DECODE_MAX_T: a decode step, T sequences of ATTN_CONTEXT tokens each, one query token per sequence.
-    Larger T: a prefill chunk, the last T tokens of one ATTN_CONTEXT-token prompt. paged_attention_verify: T / VERIFY_RUN
-    lanes, each querying its last VERIFY_RUN positions. Every page of the cache belongs to
+    Larger T: a prefill chunk, the last T tokens of one ATTN_CONTEXT-token prompt. paged_attention_verify: T / L
+    lanes (L: dims["L"], else VERIFY_RUN), each querying its last L positions. Every page of the cache belongs to
     a sequence (so the cache's bytes are the bytes the launch must read). paged_attention_split writes KS partials
     per (token, head) instead of o. The _fp8 ops read E4M3 codes: random magnitudes below 4 (codes < 0x48), random signs."""
     T, nh, nkv, d, bs = dims["T"], dims["NH"], dims["NKV"], dims["D"], dims["BS"]
     decode = T <= ATTN_DECODE_MAX_T
-    run = VERIFY_RUN if op == "paged_attention_verify" else 1   # a verify step: lanes of VERIFY_RUN tokens
+    run = dims.get("L", VERIFY_RUN) if op == "paged_attention_verify" else 1   # a verify step: lanes of L tokens
     seqs, mb = (T // run if decode else 1), ATTN_CONTEXT // bs
     dev = rng.device
     if op.endswith("_fp8"):

@@ -27,10 +27,11 @@ import click
 GRID = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Ops the model runs only for decode steps (T sequences of one token; gdn_verify: a speculative verify step's T
 # tokens, K + 1 a lane): timed at those T, whatever --grid says; the last point's winner owns the rest of T
-# (models/blocks.py: flash decoding up to ATTN_SPLIT_MAX_T = 8).
+# (models/blocks.py: flash decoding up to ATTN_SPLIT_MAX_T = 8). paged_attention_verify: a verify step's T tokens in
+# lanes of bench_inputs.verify_run(T) (K = 3 where T holds whole lanes of 4).
 OP_GRIDS = {"gdn_decode": (1, 2, 3, 4, 5, 8, 9, 16, 32, 64), "gdn_verify": (1, 2, 4, 8, 12, 16, 32, 36, 64),
             "paged_attention_split": (1, 2, 3, 4, 5, 8), "paged_attention_split_fp8": (1, 2, 3, 4, 5, 8),
-            "merge_attn_states": (1, 2, 3, 4, 5, 8)}
+            "merge_attn_states": (1, 2, 3, 4, 5, 8), "paged_attention_verify": (1, 2, 3, 4, 8, 12, 16, 32)}
 SKIP_FACTOR = 4
 
 
@@ -183,7 +184,7 @@ def mixer_problems(cfg, page_size: int = 16) -> list[tuple[str, dict]]:
         attn = {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim, "BS": page_size}
         out += [("attn_qk_prep", {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim}),
                 ("paged_attention", attn), ("paged_attention_split", dict(attn)),
-                ("merge_attn_states", {"NH": cfg.heads, "D": cfg.head_dim}),
+                ("merge_attn_states", {"NH": cfg.heads, "D": cfg.head_dim}), ("paged_attention_verify", dict(attn)),
                 ("paged_attention_fp8", dict(attn)), ("paged_attention_split_fp8", dict(attn))]
     return out
 
@@ -191,14 +192,26 @@ def mixer_problems(cfg, page_size: int = 16) -> list[tuple[str, dict]]:
 def step_dims(op: str, T: int, problem: dict, problems: list) -> dict:
     """Dims an op's inputs need beyond T and its problem: the flash-decoding split count KS the model uses at T
     (blocks.attn_splits over the attention's kv heads; merge_attn_states's from the paged_attention problem of
-    the same heads)."""
-    from ninfer.runtime.models.blocks import attn_splits
+    the same heads); paged_attention_verify's tokens a lane L (also its param) and its KS (blocks.verify_splits)."""
+    from ninfer.cli.bench_inputs import verify_run
+    from ninfer.runtime.models.blocks import attn_splits, verify_splits
     if op in ("paged_attention_split", "paged_attention_split_fp8"):
         return {"KS": attn_splits(T, problem["NKV"])}
+    if op == "paged_attention_verify":
+        L = verify_run(T)
+        return {"L": L, "KS": verify_splits(T, L, problem["NH"], problem["NKV"])}
     if op == "merge_attn_states":
         nkv = next(p["NKV"] for o, p in problems if o == "paged_attention" and p["NH"] == problem["NH"])
         return {"KS": attn_splits(T, nkv)}
     return {}
+
+
+def step_params(contract: dict, op: str, dims: dict) -> dict:
+    """An op's params at a problem and T: the dims no tensor shape carries (bench_inputs.by_name), the bench's
+    fixed ones (OP_PARAMS: scales, eps) and those step_dims chose (paged_attention_verify's L)."""
+    from ninfer.cli.bench import OP_PARAMS
+    from ninfer.cli.bench_inputs import by_name
+    return {**by_name(contract, dims), **OP_PARAMS.get(op, {}), **{k: v for k, v in dims.items() if k in contract["params"]}}
 
 
 def label(problem: dict) -> str:
@@ -218,11 +231,10 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
     (--keep-above): the last grid T's span ends there, not at infinity."""
     import torch
 
-    from ninfer.cli.bench import OP_PARAMS, _time, _time_graph
-    from ninfer.cli.bench_inputs import by_name, footprint, make_inputs, timing_sets
+    from ninfer.cli.bench import _time, _time_graph
+    from ninfer.cli.bench_inputs import footprint, make_inputs, timing_sets
     from ninfer.runtime.contracts import bind
     contract = be.contract(op)
-    params = {**by_name(contract, problem), **OP_PARAMS.get(op, {})}
     kernels = [k for k in be.manifest.kernels.values() if k.op == op and k.arch == be.device.arch and k.dtype == "bf16"]
     rng = torch.Generator(device="cuda")
     rng.manual_seed(0)
@@ -230,6 +242,7 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
     for i, t in enumerate(grid):
         last = grid[i + 1] - 1 if i + 1 < len(grid) else t if bounded else 1 << 30
         dims = {"T": t, **problem, **extra(t)}
+        params = step_params(contract, op, dims)
         base = make_inputs(torch, contract, "bf16", dict(dims), rng, op)
         sets = timing_sets(torch, op, base, dims, rng, factor=2, most=4)
         dims, _ = bind(op, contract, "bf16", base, params)   # every dim a constraint may name (gdn_decode's KW, ...)

@@ -110,6 +110,13 @@ def attn_splits(T: int, kv_heads: int) -> int:
     return min(ATTN_SPLIT_MAX_KS, max(8, 1 << (ks.bit_length() - 1)))
 
 
+def verify_splits(T: int, L: int, heads: int, kv_heads: int) -> int:
+    """paged_attention_verify's splits per token: attn_splits over its blocks' rows of tokens (a block takes
+    R = min(L, 16 // G) of a lane's L tokens, G = heads // kv_heads) in place of the tokens."""
+    r = min(L, max(1, 16 // (heads // kv_heads)))
+    return attn_splits(T // L * -(-L // r), kv_heads)
+
+
 # The shared expert on a second CUDA stream beside the routed experts: a fork and a join, which a decode graph
 # captures as two parallel branches. H200, 35B-A3B q4, 8K context (PERF_NOTES.md, session 10): decode C=1
 # 355.5 -> 359.3 tok/s, C=8 1,384.7 -> 1,425.7 (one A/B run each: gains about the size of the run-to-run spread).
@@ -262,9 +269,7 @@ class GatedAttention:
                      token_seq=step.token_seq, positions=step.positions, scale=c.head_dim ** -0.5)
         L = step.run
         if ATTN_VERIFY and L > 1 and not self.fp8 and be.has_op("paged_attention_verify"):
-            r = min(L, max(1, 16 // (c.heads // c.kv_heads)))   # a block's tokens (the kernel's R)
-            ks = attn_splits(T // L * -(-L // r), c.kv_heads)
-            part_o, m, l = self._partials(x, T, ks)
+            part_o, m, l = self._partials(x, T, verify_splits(T, L, c.heads, c.kv_heads))
             be.run("paged_attention_verify", **cache, part_o=part_o, m=m, l=l, L=L)
             be.run("merge_attn_states", part_o=part_o, m=m, l=l, gate=gate, o=o)
         elif T <= ATTN_SPLIT_MAX_T:   # flash decoding: many blocks per token, then the merge (with the output gate)

@@ -53,14 +53,14 @@ def test_tuned_span_boundaries(be, ref, op, problem, T):
 def check_other_op(be, ref, op, problem, T):
     """A tuned non-linear problem on the inputs ninfer-tune times it on (cli/bench_inputs.py; the flash-decoding
     ops at the split count the model uses, cli/tune.py step_dims)."""
-    from ninfer.cli.bench import OP_PARAMS
-    from ninfer.cli.bench_inputs import by_name, make_inputs
-    from ninfer.cli.tune import step_dims
+    from ninfer.cli.bench_inputs import make_inputs
+    from ninfer.cli.tune import step_dims, step_params
     contract = be.contract(op)
     g = torch.Generator(device="cuda").manual_seed(T)
     tuned = [(o, p) for o, p, _ in tuned_cases()]
-    ins = make_inputs(torch, contract, "bf16", {"T": T, **problem, **step_dims(op, T, problem, tuned)}, g, op)
-    params = {**by_name(contract, problem), **OP_PARAMS.get(op, {})}
+    dims = {"T": T, **problem, **step_dims(op, T, problem, tuned)}
+    ins = make_inputs(torch, contract, "bf16", dims, g, op)
+    params = step_params(contract, op, dims)
     outs = [k for k in contract["outputs"]]
     plan = be.plan(op, **ins, **params)
     want = {k: torch.empty_like(ins[k]) for k in outs}

@@ -2,6 +2,7 @@
 valid table is picked on its GPU only, a broken one is refused by name and leaves the previous file as it
 was. (The timing itself needs a GPU: it ran on the H200, see specs/tuned/.)"""
 import pytest
+import torch
 
 from ninfer.cli.tune import (_keep_above, _merge, artifact_problems, build_spans, gpu_slug, model_problems, render, run_note,
                              splice_spans, write_validated)
@@ -92,7 +93,7 @@ def test_model_problems_are_the_linear_shapes_and_the_norms():
     assert {op for op, _ in got} == {"linear", "linear_q4", "linear_swiglu_q4", "add_rms_norm_zc", "rms_norm_zc", "gdn_conv", "gdn_delta_rule",
                                      "gdn_gated_norm", "gdn_decode", "gdn_verify", "attn_qk_prep", "paged_attention",
                                      "paged_attention_split", "merge_attn_states", "paged_attention_fp8",
-                                     "paged_attention_split_fp8"}
+                                     "paged_attention_split_fp8", "paged_attention_verify"}
     assert ("gdn_gated_norm", {"HV": 48, "DV": 128}) in got and ("attn_qk_prep", {"NH": 24, "NKV": 4, "D": 256}) in got
     assert ("linear_swiglu_q4", {"I": 17408, "K": 5120}) in got   # the MLP's [gate | up] with SwiGLU in the GEMM
     assert ("add_rms_norm_zc", {"H": 5120}) in got and not any(op.startswith("moe_") for op, _ in got)
@@ -122,6 +123,46 @@ def test_mixer_problems_and_the_split_counts_they_are_timed_at():
     assert all(g[0] == 1 and list(g) == sorted(set(g)) for g in OP_GRIDS.values())
     cfg = SHAPES["qwen3.6-27b"]
     assert ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 32}) in mixer_problems(cfg, page_size=32)
+
+
+def test_the_verify_attention_is_timed_at_whole_lanes_and_the_models_split_count():
+    """paged_attention_verify at any T (a grid point or a tuned span's boundary): lanes of verify_run(T) tokens
+    (VERIFY_RUN where T holds whole lanes of it), at the split count the model uses (blocks.verify_splits), the
+    lane length passed as the op's param; the inputs built there run through the reference and merge to
+    paged_attention's output."""
+    from ninfer.cli.bench_inputs import VERIFY_RUN, make_inputs, verify_run
+    from ninfer.cli.tune import OP_GRIDS, mixer_problems, step_dims, step_params
+    from ninfer.runtime.dispatch import ReferenceBackend
+    from ninfer.runtime.models.blocks import attn_splits, verify_splits
+    from ninfer.runtime.synthetic import SHAPES
+    attn = {"NH": 24, "NKV": 4, "D": 256, "BS": 16}
+    got = mixer_problems(SHAPES["qwen3.6-27b"])
+    assert ("paged_attention_verify", attn) in got
+    assert [verify_run(t) for t in range(1, 13)] == [1, 2, 3, 4, 1, 3, 1, 4, 3, 2, 1, 4]
+    for T in range(1, 70):
+        d = step_dims("paged_attention_verify", T, attn, got)
+        assert T % d["L"] == 0 and d["L"] <= VERIFY_RUN and (T % VERIFY_RUN or d["L"] == VERIFY_RUN)
+        assert d["KS"] == verify_splits(T, d["L"], 24, 4)
+    # the split count of the blocks' row sets: one lane of 4 tokens is 2 blocks of R = 2 (27B, G = 6), 16 splits;
+    # 35B-A3B (G = 8, R = 2) the same over 2 kv heads, 32; one token a lane (L = 1) as paged_attention_split
+    assert verify_splits(4, 4, 24, 4) == attn_splits(2, 4) == 16 and verify_splits(4, 4, 16, 2) == 32
+    assert verify_splits(8, 4, 16, 2) == attn_splits(4, 2) == 16 and verify_splits(3, 1, 24, 4) == attn_splits(3, 4)
+    assert all(T % VERIFY_RUN == 0 for T in OP_GRIDS["paged_attention_verify"] if T >= VERIFY_RUN)
+    be = ReferenceBackend()
+    contract = be.contract("paged_attention_verify")
+    small = {"NH": 4, "NKV": 2, "D": 32, "BS": 16}
+    for T in (3, 6, 8):
+        dims = {"T": T, **small, **step_dims("paged_attention_verify", T, small, got)}
+        ts = make_inputs(torch, contract, "bf16", dict(dims), torch.Generator().manual_seed(T), "paged_attention_verify")
+        params = step_params(contract, "paged_attention_verify", dims)
+        assert params["L"] == verify_run(T) and ts["token_seq"].tolist() == [i // params["L"] for i in range(T)]
+        ts = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in ts.items()}
+        be.run("paged_attention_verify", **ts, **params)
+        o, attn_o = torch.empty(T, 4, 32), torch.empty(T, 4, 32)
+        be.run("merge_attn_states", part_o=ts["part_o"], m=ts["m"], l=ts["l"], gate=torch.zeros(T, 4, 32), o=o)
+        be.run("paged_attention", **{k: ts[k] for k in ("q", "k_cache", "v_cache", "block_table", "token_seq",
+                                                       "positions")}, scale=params["scale"], o=attn_o)
+        assert torch.allclose(o, attn_o * 0.5, atol=1e-5)
 
 
 def test_problems_include_the_prefill_gemm_of_each_packed_matrix():
