@@ -3,6 +3,7 @@ verify them, and benchmark the converter at real model shapes.
 
   ninfer-quantize convert HF_DIR -o OUT.ninfer [--recipe NAME] [--format F] [--override ROLE=F ...]
                                               [--skip mtp|visual] [--dry-run]
+                                              [--draft-vocab-size N [--draft-vocab-corpus TEXT ...]]
   ninfer-quantize inspect FILE
   ninfer-quantize verify FILE [--recipe NAME]
   ninfer-quantize bench-convert --shape qwen3.6-27b --layers 2 --format q4
@@ -21,6 +22,7 @@ import click
 
 from ninfer.runtime.artifact import ArtifactError, open_artifact
 from ninfer.runtime.convert import RECIPE_RESOURCE, ConvertError, convert, plan_conversion
+from ninfer.runtime.draft_head import DRAFT_HEAD, add_draft_head, check_draft_head
 from ninfer.runtime.format_base import FormatError
 from ninfer.runtime.formats import WEIGHT_FORMATS, get_format
 from ninfer.runtime.hf_checkpoint import CheckpointError
@@ -80,15 +82,30 @@ def main():
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
 @click.option("--chunk-mb", type=click.IntRange(1, 4096), default=16, show_default=True,
               help="Float32 working set per chunk.")
-def convert_cmd(hf_dir, output, recipe, fmt, overrides, skip, dry_run, progress, chunk_mb):
+@click.option("--draft-vocab-size", type=click.IntRange(1), default=None, metavar="N",
+              help="Also write a draft head for the MTP drafts (NInfer's --lm-head-draft): the lm_head rows of the N "
+                   "most used ids (rounded up to 128), served with speculative-config draft_vocab_size.")
+@click.option("--draft-vocab-corpus", "corpus", multiple=True, type=click.Path(path_type=Path), metavar="FILE",
+              help="UTF-8 text whose token counts rank the ids for the draft head (repeatable; default: id order).")
+@click.option("--draft-vocab-format", type=click.Choice(WEIGHT_FORMATS), default="q4", show_default=True,
+              help="Format of the draft head's rows.")
+def convert_cmd(hf_dir, output, recipe, fmt, overrides, skip, dry_run, progress, chunk_mb, draft_vocab_size, corpus,
+                draft_vocab_format):
     """Convert the checkpoint in HF_DIR into one .ninfer file (streamed, written atomically)."""
     if output is None and not dry_run:
         raise click.UsageError("missing -o/--output (or use --dry-run)")
+    if corpus and draft_vocab_size is None:
+        raise click.UsageError("--draft-vocab-corpus ranks the ids of a draft head: give --draft-vocab-size too")
     try:
         plan = plan_conversion(hf_dir, recipe, fmt, _parse_overrides(overrides), skip)
     except USER_ERRORS as e:
         _fail(e)
     try:
+        if draft_vocab_size is not None:
+            try:
+                plan.notes.append(add_draft_head(plan, draft_vocab_size, list(corpus), draft_vocab_format))
+            except USER_ERRORS as e:
+                _fail(e)
         for note in plan.notes:
             click.echo(f"note: {note}", err=True)
         if dry_run:
@@ -194,7 +211,8 @@ def verify_cmd(file, recipe):
             rec = load_recipe(recipe) if recipe else Recipe(a.resource(RECIPE_RESOURCE).decode("utf-8"),
                                                            f"{file}:{RECIPE_RESOURCE}")
             config = json.loads(a.resource("config.json"))
-            problems = rec.check_inventory(config, a.tensors)
+            problems = (rec.check_inventory(config, {n: t for n, t in a.tensors.items() if n != DRAFT_HEAD})
+                        + check_draft_head(a))
             n_obj = len(a.tensors) + len(a.resources)
     except KeyError as e:
         _fail(ArtifactError(f"{file}: cannot check against the recipe: {e.args[0]}"))

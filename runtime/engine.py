@@ -23,6 +23,7 @@ from .models import MODELS
 from .models.blocks import Step, dequant_scratch_bytes, prefill_workspace_bytes
 from .models.config import HybridConfig, parse_config
 from .speculative import SpeculativeConfig, Speculator
+from .tokenizer import id_domain
 from .weights import load_weights
 
 
@@ -40,12 +41,9 @@ def token_domain(art, vocab: int) -> int:
     248320 rows) and padded rows must never be chosen. A tokenizer covering under half the rows is not
     this model's (test fixtures), so then every row counts."""
     try:
-        tok = json.loads(art.resource("tokenizer.json"))
+        return id_domain(json.loads(art.resource("tokenizer.json")), vocab)
     except KeyError:
         return vocab
-    ids = list(tok.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in tok.get("added_tokens", [])]
-    size = max(ids) + 1 if ids else 0
-    return min(vocab, size) if size >= vocab // 2 else vocab
 
 
 @dataclass(frozen=True)
@@ -134,7 +132,8 @@ class Engine:
             # The reference backend computes in fp32 (the CPU oracle path); the generated kernels in bf16.
             packed = be.name == "cuda" if packed_weights is None else packed_weights
             weights = load_weights(self.art, device, torch.bfloat16 if be.name == "cuda" else torch.float32, packed,
-                                   mtp=mtp_of(speculative))
+                                   mtp=mtp_of(speculative),
+                                   draft_head=mtp_of(speculative) and speculative.draft_vocab_size is not None)
             self._setup(be, cfg, weights, token_domain(self.art, cfg.vocab), max_context=max_context,
                         max_seqs=max_seqs, page_size=page_size, prefill_chunk=prefill_chunk,
                         kv_capacity=kv_capacity, cuda_graphs=cuda_graphs, kv_cache_dtype=kv_cache_dtype,

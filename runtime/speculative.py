@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .decode_graph import count_tokens
+from .draft_head import DRAFT_HEAD, draft_ids
 from .format_base import TILE_ROWS, align_up
 from .models.blocks import commit_round, linear
 from .weights import PackedWeight, split_rows
@@ -116,46 +117,71 @@ def _rows_of(w) -> int:
     return w.matrix[0] if isinstance(w, PackedWeight) else w.shape[0]
 
 
+def _device_of(w) -> torch.device:
+    return (w.data if isinstance(w, PackedWeight) else w).device
+
+
 class DraftVocab:
     """The lm_head rows the MTP drafts are drawn from (speculative-config `draft_vocab_size` N, NInfer's
-    --lm-head-draft shortlist): ids below N rounded up to whole 128-row tiles (byte-level BPE numbers its tokens in
-    merge order, so the low ids are the frequent ones) and the tiles holding the tokenizer's added tokens (the end
-    of a turn, thinking and tool-call tags), both views of the lm_head's storage: no copy, and a draft reads about
-    N / V of the head's bytes. The target verifies over the whole vocabulary, so the output is unchanged; a draft
-    outside the shortlist is merely never proposed."""
+    --lm-head-draft shortlist) and the id of each row: a draft is the argmax over those rows' logits, mapped to its id.
+    The target verifies over the whole vocabulary, so the output is unchanged; a draft outside the shortlist is
+    merely never proposed. Two sources:
+    - the artifact's draft head (`ninfer-quantize convert --draft-vocab-size`, runtime/draft_head.py): its first N
+      rows (whole 128-row tiles), the most used ids first, in a format of their own (q4);
+    - without one, views of the lm_head's storage (no copy): ids below N in whole tiles (byte-level BPE numbers its
+      tokens in merge order, so the low ids are the frequent ones) and the tiles holding the tokenizer's added tokens
+      (the end of a turn, thinking and tool-call tags).
+    Either way a draft reads about N / V of the head's bytes."""
 
-    def __init__(self, lm_head, n: int, added: list[int], domain: int):
+    def __init__(self, parts: list, ids: list[int], device):
+        self.parts = parts                       # [(weight, logits kept of its rows)]
+        self.ids = torch.tensor(ids, dtype=torch.int32, device=device)
+
+    @classmethod
+    def from_lm_head(cls, lm_head, n: int, added: list[int], domain: int) -> "DraftVocab":
         rows = _rows_of(lm_head)
-        self.p = min(align_up(n, TILE_ROWS), rows)
-        if self.p >= domain:
+        p = min(align_up(n, TILE_ROWS), rows)
+        if p >= domain:
             raise SpeculativeConfigError(f"draft_vocab_size {n} covers the whole vocabulary ({domain} ids): leave it out")
-        self.prefix = self._rows(lm_head, 0, self.p)
-        extra = [a for a in added if self.p <= a < domain]
-        self.tail = None
+        parts, ids = [(cls._rows(lm_head, 0, p), p)], list(range(p))
+        extra = [a for a in added if p <= a < domain]
         if extra:
-            self.t0 = extra[0] // TILE_ROWS * TILE_ROWS
+            t0 = extra[0] // TILE_ROWS * TILE_ROWS
             t1 = min(align_up(extra[-1] + 1, TILE_ROWS), rows)
-            self.tail, self.width = self._rows(lm_head, self.t0, t1), min(t1, domain) - self.t0
+            parts.append((cls._rows(lm_head, t0, t1), min(t1, domain) - t0))
+            ids += range(t0, min(t1, domain))
+        return cls(parts, ids, _device_of(lm_head))
+
+    @classmethod
+    def from_draft_head(cls, head, head_ids: list[int], n: int, domain: int) -> "DraftVocab":
+        rows = _rows_of(head)
+        p = align_up(n, TILE_ROWS)
+        if p > rows:
+            raise SpeculativeConfigError(f"draft_vocab_size {n} is more than the artifact's draft head holds ({rows} rows; "
+                                         f"convert with a larger --draft-vocab-size, or ask for at most {rows})")
+        if len(head_ids) != rows or not all(0 <= i < domain for i in head_ids[:p]):
+            raise SpeculativeConfigError(f"the artifact's draft head: {len(head_ids)} ids for {rows} rows, or an id "
+                                         f"outside the {domain} the tokenizer produces (reconvert it)")
+        return cls([(cls._rows(head, 0, p), p)], head_ids[:p], _device_of(head))
 
     @staticmethod
     def _rows(w, a: int, b: int):
-        """Rows [a, b) of the lm_head as a view of its storage."""
+        """Rows [a, b) of a head as a view of its storage."""
         for cut, part in ((b, 0), (a, 1)):   # cut at b, keep the rows before it; then at a, keep those after
             if 0 < cut < _rows_of(w):
                 pieces = split_rows(w, cut)
                 if pieces is None:
-                    raise SpeculativeConfigError(f"draft_vocab_size: the lm_head's storage does not split at row {cut}")
+                    raise SpeculativeConfigError(f"draft_vocab_size: the head's storage does not split at row {cut}")
                 w = pieces[part]
         return w
 
     def argmax(self, be, hidden: torch.Tensor, out: torch.Tensor) -> None:
-        """out[i] = the draft vocabulary's id with the highest logit for hidden row i (final-normed)."""
-        logits = linear(be, hidden, self.prefix)
-        if self.tail is not None:
-            logits = torch.cat([logits, linear(be, hidden, self.tail)[:, :self.width]], dim=1)
+        """out[i] = the id of the draft rows' highest logit for hidden row i (final-normed)."""
+        logits = [linear(be, hidden, w) for w, _ in self.parts]
+        logits = torch.cat([x[:, :k] for x, (_, k) in zip(logits, self.parts)], dim=1) if len(logits) > 1 else logits[0]
         idx = torch.empty_like(out)
         be.run("argmax", logits=logits, ids=idx, domain=logits.shape[1])
-        out.copy_(torch.where(idx >= self.p, idx + (self.t0 - self.p), idx) if self.tail is not None else idx)
+        out.copy_(self.ids.index_select(0, idx))
 
 
 class NgramIndex:
@@ -190,8 +216,11 @@ class Speculator:
         self.verify: dict[int, VerifyStep] = {}   # per batch size, made on first use
         self.static = True   # rounds that can use a VerifyStep do (False: every round op by op; A/B and tests)
         self._row_counts = None   # the VerifySteps' penalty counts per row, made once
-        self.draft_vocab = None if config.draft_vocab_size is None else DraftVocab(
-            engine.model.lm_head, config.draft_vocab_size, added_token_ids(engine.art), engine.domain)
+        self.draft_vocab = None
+        if config.draft_vocab_size is not None:
+            head, n = engine.weights.get(DRAFT_HEAD), config.draft_vocab_size
+            self.draft_vocab = (DraftVocab.from_draft_head(head, draft_ids(engine.art), n, engine.domain) if head is not None
+                                else DraftVocab.from_lm_head(engine.model.lm_head, n, added_token_ids(engine.art), engine.domain))
 
     # -- prefill ---------------------------------------------------------------------------------
     def after_prefill(self, seq, a: int, b: int, normed: torch.Tensor | None) -> None:

@@ -18,6 +18,13 @@ from collections import OrderedDict
 from functools import cached_property
 
 
+def id_domain(tokenizer: dict, vocab: int) -> int:
+    """Ids a tokenizer (tokenizer.json, parsed) can produce among a model's `vocab` rows (engine.token_domain)."""
+    ids = list(tokenizer.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in tokenizer.get("added_tokens", [])]
+    size = max(ids) + 1 if ids else 0
+    return min(vocab, size) if size >= vocab // 2 else vocab
+
+
 class TokenizerError(ValueError):
     """The tokenizer resource is missing or unreadable."""
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .draft_head import DRAFT_HEAD
 from .format_base import K_ALIGN, TILE_ROWS, TiledFormat, align_up, as_matrix_shape
 from .formats import get_format
 from .reference_quant import PACKED
@@ -78,15 +79,16 @@ def split_rows(w, n: int):
     return (w[:n], w[n:]) if ok else None
 
 
-def load_weights(art, device, dtype: torch.dtype, packed: bool = True, mtp: bool = False) -> dict:
-    """Every text-model tensor on `device` (and the MTP layer's, with `mtp`), copied in chunks from the mapping:
+def load_weights(art, device, dtype: torch.dtype, packed: bool = True, mtp: bool = False, draft_head: bool = False) -> dict:
+    """Every text-model tensor on `device` (and the MTP layer's, with `mtp`; its draft head, lm_head_draft, only with
+    `draft_head` too: the shortlist of draft_vocab_size), copied in chunks from the mapping:
     direct formats cast to the run dtype, packed linear weights kept packed (with `packed`), other packed tensors
     (the embedding table, formats no kernel reads packed, everything without `packed`) decoded exactly and cast. A
     tied lm_head reads the packed table too."""
     out = {}
     skip = {"visual"} | (set() if mtp else {"mtp"})
     for name, entry in art.tensors.items():
-        if set(entry.flags) & skip:
+        if set(entry.flags) & skip or (name == DRAFT_HEAD and not draft_head):
             continue
         want = torch.float32 if entry.role in KEEP_FP32 else dtype
         if entry.format in ("bf16", "fp32"):

@@ -49,8 +49,23 @@ def main(out: Path) -> None:
             cases.append({"prompt": ids[0].tolist(), "greedy": full[0, n:].tolist(), "logits": logits.half()})
         torch.save(cases, out / f"{kind}.oracle.pt")
         print(kind, "ok")
+    draft_artifact(out)
     import shutil
     shutil.rmtree(out / "ckpt")
+
+
+def draft_artifact(out: Path) -> None:
+    """dense.draft.ninfer: the dense checkpoint with a 1000-word tokenizer, in the recipe's formats, with a q4 draft
+    head of 256 rows (--draft-vocab-size) ranked by a corpus of high ids (tests/gpu/test_speculative_gpu.py)."""
+    from ninfer.runtime.draft_head import add_draft_head
+    from tests.fixtures.tiny_checkpoints import with_word_tokenizer
+    d = with_word_tokenizer(build("dense", out / "ckpt"), out / "ckpt" / "dense_words")
+    corpus = out / "ckpt" / "corpus.txt"
+    corpus.write_text(" ".join(f"w{i}" for i in range(999, 500, -3)), encoding="utf-8")
+    plan = plan_conversion(d)
+    add_draft_head(plan, 256, [corpus])
+    convert(plan, out / "dense.draft.ninfer")
+    plan.checkpoint.close()
 
 
 if __name__ == "__main__":

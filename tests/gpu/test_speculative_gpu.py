@@ -125,6 +125,22 @@ def test_draft_vocabulary_rounds(engines, kind, monkeypatch):
     assert len(drafted) > 30 and max(drafted) < 256 and spec.spec.verify[len(ps)].graph is not None
 
 
+def test_draft_head_rounds(engines, monkeypatch):
+    """An artifact's own draft head (dense.draft: q4 rows of 256 ids ranked by a corpus of high ids, make_oracle.py)
+    with draft_vocab_size 256: the captured rounds draft only its ids (the GEMV over its rows, the argmax and the id
+    map inside the graph), and the output is plain decoding's up to near-ties."""
+    from ninfer.runtime.speculative import SpeculativeConfig, Speculator
+    plain, spec = engines("dense.draft"), engines("dense.draft", SpeculativeConfig("mtp", 3, draft_vocab_size=256))
+    drafted = []
+    monkeypatch.setattr(Speculator, "_proposed", lambda self, seqs: drafted.extend(d for s in seqs for d in s.drafts))
+    ps = [[t % 1000 for t in p] for p in prompts(seed=6)]   # ids of its 1000-word tokenizer
+    want = [s.generated for s in plain.generate(ps, max_new=32)]
+    got = [s.generated for s in spec.generate(ps, max_new=32)]
+    agree_up_to_near_ties(plain, ps, got, want)
+    ids = set(spec.spec.draft_vocab.ids.tolist())
+    assert len(drafted) > 30 and set(drafted) <= ids and max(drafted) > 500 and spec.spec.verify[len(ps)].graph is not None
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_mtp_layer_agrees_with_the_reference_backend(engines, kind):
     """The MTP layer's outputs over one prompt's pairs, cuda against the reference backend (fp32 on the CPU,

@@ -160,7 +160,7 @@ def test_draft_vocabulary_argmax_reads_only_its_rows(fmt):
     head = (torch.randn(1024, 128, generator=g) if fmt == "fp32"
             else random_packed("q4", (1024, 128), "cpu", g, std=1.0))
     be, hidden = backend("reference"), torch.randn(64, 128, generator=g)
-    dv = DraftVocab(head, 200, [2, 990, 995], domain=1000)
+    dv = DraftVocab.from_lm_head(head, 200, [2, 990, 995], domain=1000)
     got = torch.empty(64, dtype=torch.int32)
     dv.argmax(be, hidden, got)
     full = linear(be, hidden, head).clone()
@@ -170,7 +170,7 @@ def test_draft_vocabulary_argmax_reads_only_its_rows(fmt):
     assert torch.equal(got, want)
     assert (want < 256).any() and (want >= 896).any() and (full[:, :1000].argmax(1) != want).any()
     with pytest.raises(SpeculativeConfigError, match="whole vocabulary"):
-        DraftVocab(head, 1000, [], domain=1000)
+        DraftVocab.from_lm_head(head, 1000, [], domain=1000)
 
 
 def test_draft_vocabulary_drafts_inside_it_and_output_unchanged(ckpt, monkeypatch):
@@ -194,6 +194,60 @@ def test_draft_vocabulary_drafts_inside_it_and_output_unchanged(ckpt, monkeypatc
     drafted = lambda name: [d for _, _, ds in logs[name] for d in ds]   # noqa: E731
     assert len(logs["static"]) > 10 and logs["static"] == logs["op"]
     assert max(drafted("static")) < 256 and max(drafted("full")) >= 256
+
+
+def test_draft_head_argmax_maps_its_rows_to_their_ids():
+    """DraftVocab over an artifact's draft head (packed q4, 512 rows, their ids a permutation of 0..999): draft size
+    200 reads its first 256 rows; a draft is the id of the highest of those rows' logits. A size beyond the head's
+    rows, or an id outside the tokenizer's domain, is refused."""
+    from ninfer.runtime.dispatch import backend
+    from ninfer.runtime.models.blocks import linear
+    from ninfer.runtime.speculative import DraftVocab
+    from ninfer.runtime.weights import random_packed
+    g = torch.Generator().manual_seed(4)
+    head, ids = random_packed("q4", (512, 128), "cpu", g, std=1.0), torch.randperm(1000, generator=g)[:512].tolist()
+    be, hidden = backend("reference"), torch.randn(64, 128, generator=g)
+    dv = DraftVocab.from_draft_head(head, ids, 200, domain=1000)
+    got = torch.empty(64, dtype=torch.int32)
+    dv.argmax(be, hidden, got)
+    rows = linear(be, hidden, head)[:, :256].argmax(1)
+    assert got.tolist() == [ids[r] for r in rows.tolist()] and len(set(rows.tolist())) > 10
+    with pytest.raises(SpeculativeConfigError, match="more than the artifact's draft head holds"):
+        DraftVocab.from_draft_head(head, ids, 513, domain=1000)
+    with pytest.raises(SpeculativeConfigError, match="outside the 999"):
+        DraftVocab.from_draft_head(head, [999] + ids[1:], 128, domain=999)
+
+
+def test_the_artifacts_draft_head_drafts_its_ids_and_output_is_unchanged(tmp_path, monkeypatch):
+    """A tiny dense artifact converted with --draft-vocab-size 128 over a corpus that ranks high ids first (a 1000-word
+    tokenizer): with draft_vocab_size 128 the engine loads the draft head (only then) and drafts only its ids, among
+    them ids a prefix of the lm_head would not hold; greedy output identical to plain decoding."""
+    from ninfer.runtime.draft_head import DRAFT_HEAD, add_draft_head
+    from ninfer.runtime.speculative import Speculator
+    from tests.fixtures.tiny_checkpoints import with_word_tokenizer
+    d = with_word_tokenizer(build("dense", tmp_path / "ckpt"), tmp_path / "words")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"w{i}" for i in range(999, 500, -7)), encoding="utf-8")   # 72 ids above 500
+    plan = plan_conversion(d, fmt="fp32")
+    add_draft_head(plan, 128, [corpus])
+    convert(plan, tmp_path / "a.ninfer")
+    plan.checkpoint.close()
+    art = tmp_path / "a.ninfer"
+    ps = [[t % 1000 for t in p] for p in prompts(9, 17, 4, seed=8)]   # ids the 1000-word tokenizer has
+    ref = plain(art, ps, 24)
+    drafted = []
+    monkeypatch.setattr(Speculator, "_proposed", lambda self, seqs: drafted.extend(d for s in seqs for d in s.drafts))
+    eng = engine(art, SpeculativeConfig("mtp", 3, draft_vocab_size=128))
+    ids = set(eng.spec.draft_vocab.ids.tolist())
+    assert len(ids) == 128 and {1000, 1001, 999, 992} <= ids and max(ids) > 900
+    assert [s.generated for s in eng.generate(ps, max_new=24)] == ref
+    assert len(drafted) > 10 and set(drafted) <= ids and any(x >= 128 for x in drafted)
+    mtp_only = engine(art)
+    assert DRAFT_HEAD in eng.weights and DRAFT_HEAD not in mtp_only.weights
+    eng.close()
+    mtp_only.close()
+    with pytest.raises(SpeculativeConfigError, match="more than the artifact's draft head holds"):
+        engine(art, SpeculativeConfig("mtp", 3, draft_vocab_size=256))
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -460,7 +514,8 @@ def test_draft_vocabulary_on_the_demo_model(demo_artifact, monkeypatch):
                  speculative=SpeculativeConfig("mtp", 3, draft_vocab_size=131072))
     plain_eng = Engine(demo_artifact, backend="reference", max_context=128, max_seqs=2)
     dv, end = eng.spec.draft_vocab, Tokenizer.from_artifact(eng.art).encode("<|im_end|>")[0]
-    assert (dv.p, dv.t0, dv.t0 + dv.width) == (131072, 247936, eng.domain) and dv.t0 <= end < eng.domain
+    assert [k for _, k in dv.parts] == [131072, eng.domain - 247936] and end in dv.ids.tolist()
+    assert dv.ids.tolist() == [*range(131072), *range(247936, eng.domain)]
     drafted = []
     monkeypatch.setattr(Speculator, "_proposed", lambda self, seqs: drafted.extend(d for s in seqs for d in s.drafts))
     ids = Tokenizer.from_artifact(eng.art).encode("Once upon a time")
