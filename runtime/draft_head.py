@@ -14,17 +14,13 @@ import numpy as np
 
 from .artifact_schema import ArtifactError
 from .convert import ConversionPlan, ConvertError
+from .format_base import TILE_ROWS, align_up
 from .formats import get_format
 from .recipes import BoundTensor
 
 DRAFT_HEAD = "lm_head_draft"          # tensor name and role
 DRAFT_VOCAB = "draft_vocab.json"      # resource: {"ids": [...], "ranking": ..., "corpus_tokens": n}
-TILE_ROWS = 128                       # rows come in whole tiles of the GEMV routes
 CORPUS_PIECE = 1 << 20                # characters tokenized at a time
-
-
-def align_up(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 def rank_ids(tokenizer_json: bytes, corpus: list[Path], vocab: int) -> tuple[list[int], int]:
@@ -66,9 +62,9 @@ def add_draft_head(plan: ConversionPlan, size: int, corpus: list[Path], fmt: str
         raise ConvertError("--draft-vocab-size: the draft head serves the MTP layer's drafts, and this conversion "
                            "carries none (the checkpoint has no mtp.* tensors, or --skip mtp)")
     head = next((t for t in plan.tensors if t.name == "lm_head"), None) or next(t for t in plan.tensors if t.name == "embed")
-    (src, start, count), = head.segments      # one source tensor, rows in id order
+    (src, start, _), = head.segments      # one source tensor, rows in id order
     vocab, hidden = head.shape
-    rows = align_up(size, TILE_ROWS)
+    rows = align_up(size, TILE_ROWS)      # whole tiles of the packed formats and the GEMV routes
     try:
         tokenizer = dict(plan.resources)["tokenizer.json"]
     except KeyError:
