@@ -117,13 +117,17 @@ def bench_spec(cfg, eng, concurrency: list[int], decode_prompt: int, rounds: int
 @click.option("--draft-vocab-size", type=click.IntRange(1), default=None,
               help="MTP drafts over the first N ids and the added tokens (speculative-config draft_vocab_size; "
                    "NInfer's --lm-head-draft uses 131072); default: the whole lm_head")
+@click.option("--draft-head", is_flag=True,
+              help="with --draft-vocab-size: draft over a q4 draft head of that many rows (as `ninfer-quantize convert "
+                   "--draft-vocab-size` writes), not views of the lm_head")
 @click.option("--concurrency", default="1,8", show_default=True)
 @click.option("--decode-prompt", default=8192, show_default=True, help="context before the decode measurement")
 @click.option("--rounds", type=click.IntRange(1), default=16, show_default=True, help="timed decode calls per mode")
 @click.option("--profile", is_flag=True, help="also the kernel time per op inside each mode's decode calls (CUPTI via "
               "torch.profiler): where a round's time goes")
 @click.option("--json", "json_out", type=click.Path())
-def spec_cmd(shape, fmt, method, k, draft_vocab_size, concurrency, decode_prompt, rounds, profile, json_out) -> None:
+def spec_cmd(shape, fmt, method, k, draft_vocab_size, draft_head, concurrency, decode_prompt, rounds, profile,
+             json_out) -> None:
     """Speculative decoding against plain decoding (synthetic weights: drafts rejected, then injected)."""
     import json
 
@@ -137,21 +141,25 @@ def spec_cmd(shape, fmt, method, k, draft_vocab_size, concurrency, decode_prompt
     from ninfer.runtime.engine import Engine
     from ninfer.runtime.speculative import SpeculativeConfig
     from ninfer.runtime.synthetic import SHAPES, TOKEN_DOMAIN, random_weights
+    if draft_head and not draft_vocab_size:
+        raise click.UsageError("--draft-head needs --draft-vocab-size (the head's rows)")
     cfg, levels = SHAPES[shape], [int(x) for x in concurrency.split(",")]
     copy_gbs, _ = measure_ceilings(torch)
-    weights = random_weights(cfg, "cuda", fmt=fmt, mtp=method == "mtp")
+    weights = random_weights(cfg, "cuda", fmt=fmt, mtp=method == "mtp",
+                             draft_rows=-(-draft_vocab_size // 128) * 128 if draft_head else 0)
     ctx = decode_prompt + (rounds * (k + 1) + 4) * (k + 1) + 16
     eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
                               max_seqs=max(levels),
                               speculative=SpeculativeConfig(method, k, draft_vocab_size=draft_vocab_size))
     click.echo(f"# {shape} ({fmt} synthetic weights{', MTP layer included' if method == 'mtp' else ''}) on "
                f"{eng.be.device.name}; copy {copy_gbs:,.0f} GB/s; context {decode_prompt}; {method} drafts, K={k}"
-               f"{f', draft vocabulary {draft_vocab_size}' if draft_vocab_size else ''}")
+               f"{f', draft vocabulary {draft_vocab_size}' if draft_vocab_size else ''}"
+               f"{' (a q4 draft head)' if draft_head else ''}")
     from ninfer.cli.bench import _graph_profile
     prof = (lambda seqs, secs: _graph_profile(torch, eng, seqs, secs, steps=PROFILE_CALLS)) if profile else None
     rows = bench_spec(cfg, eng, levels, decode_prompt, rounds, k, fmt, copy_gbs, torch.cuda.synchronize, profile=prof)
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"shape": shape, "device": eng.be.device.name, "weights": fmt, "method": method, "k": k,
-                       "draft_vocab_size": draft_vocab_size,
+                       "draft_vocab_size": draft_vocab_size, "draft_head": draft_head,
                        "copy_GBps": copy_gbs, "rows": rows}, f, indent=1)

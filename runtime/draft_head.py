@@ -20,6 +20,7 @@ from .recipes import BoundTensor
 
 DRAFT_HEAD = "lm_head_draft"          # tensor name and role
 DRAFT_VOCAB = "draft_vocab.json"      # resource: {"ids": [...], "ranking": ..., "corpus_tokens": n}
+DRAFT_IDS = DRAFT_HEAD + ".ids"       # the loaded weights' int32 tensor of those ids (runtime/weights.py)
 CORPUS_PIECE = 1 << 20                # characters tokenized at a time
 
 

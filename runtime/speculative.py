@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .decode_graph import count_tokens
-from .draft_head import DRAFT_HEAD, draft_ids
+from .draft_head import DRAFT_HEAD, DRAFT_IDS
 from .format_base import TILE_ROWS, align_up
 from .models.blocks import commit_round, linear
 from .weights import PackedWeight, split_rows
@@ -219,7 +219,8 @@ class Speculator:
         self.draft_vocab = None
         if config.draft_vocab_size is not None:
             head, n = engine.weights.get(DRAFT_HEAD), config.draft_vocab_size
-            self.draft_vocab = (DraftVocab.from_draft_head(head, draft_ids(engine.art), n, engine.domain) if head is not None
+            self.draft_vocab = (DraftVocab.from_draft_head(head, engine.weights[DRAFT_IDS].tolist(), n, engine.domain)
+                                if head is not None
                                 else DraftVocab.from_lm_head(engine.model.lm_head, n, added_token_ids(engine.art), engine.domain))
 
     # -- prefill ---------------------------------------------------------------------------------

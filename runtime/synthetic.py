@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from .draft_head import DRAFT_HEAD, DRAFT_IDS
 from .models.config import HybridConfig
 
 # DESIGN.md §8 / notes/ninfer-anchor.md §1.2
@@ -90,10 +91,11 @@ def packed_formats(cfg: HybridConfig, fmt: str, mtp: bool = False) -> dict[str, 
 
 
 def random_weights(cfg: HybridConfig, device, dtype=torch.bfloat16, seed: int = 0, fmt: str = "bf16",
-                   mtp: bool = False) -> dict:
+                   mtp: bool = False, draft_rows: int = 0) -> dict:
     """Random weights at the model's shapes (with `mtp`, the MTP layer's too); with a packed `fmt` (q4, ..., or
     "recipe": packed_formats) the quantized matrices are random packed bytes of their format
-    (runtime.weights.PackedWeight)."""
+    (runtime.weights.PackedWeight). draft_rows: a q4 draft head of that many rows (ninfer-quantize
+    --draft-vocab-size), its ids its row numbers."""
     from .weights import random_packed
     g = torch.Generator(device=device).manual_seed(seed)
     packed = packed_formats(cfg, fmt, mtp)
@@ -108,6 +110,9 @@ def random_weights(cfg: HybridConfig, device, dtype=torch.bfloat16, seed: int = 
         t = torch.empty(shape, device=device, dtype=dtype)
         scale = 0.1 if "norm" in name else 1.0 / max(shape[-1], 1) ** 0.5
         out[name] = t.normal_(0.0, scale, generator=g)
+    if draft_rows:
+        out[DRAFT_HEAD] = random_packed("q4", (draft_rows, cfg.hidden), device, g, 1.0 / cfg.hidden ** 0.5)
+        out[DRAFT_IDS] = torch.arange(draft_rows, dtype=torch.int32, device=device)
     return out
 
 

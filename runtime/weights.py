@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .draft_head import DRAFT_HEAD
+from .draft_head import DRAFT_HEAD, DRAFT_IDS, draft_ids
 from .format_base import K_ALIGN, TILE_ROWS, TiledFormat, align_up, as_matrix_shape
 from .formats import get_format
 from .reference_quant import PACKED
@@ -81,7 +81,7 @@ def split_rows(w, n: int):
 
 def load_weights(art, device, dtype: torch.dtype, packed: bool = True, mtp: bool = False, draft_head: bool = False) -> dict:
     """Every text-model tensor on `device` (and the MTP layer's, with `mtp`; its draft head, lm_head_draft, only with
-    `draft_head` too: the shortlist of draft_vocab_size), copied in chunks from the mapping:
+    `draft_head` too: the shortlist of draft_vocab_size, with its ids as DRAFT_IDS), copied in chunks from the mapping:
     direct formats cast to the run dtype, packed linear weights kept packed (with `packed`), other packed tensors
     (the embedding table, formats no kernel reads packed, everything without `packed`) decoded exactly and cast. A
     tied lm_head reads the packed table too."""
@@ -101,6 +101,8 @@ def load_weights(art, device, dtype: torch.dtype, packed: bool = True, mtp: bool
                 continue
             out[name + ".packed"] = pw
         out[name] = torch.from_numpy(art.decode(name)).to(device).to(want).contiguous()
+    if DRAFT_HEAD in out:
+        out[DRAFT_IDS] = torch.tensor(draft_ids(art), dtype=torch.int32, device=device)
     return out
 
 

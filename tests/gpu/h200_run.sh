@@ -3,7 +3,7 @@
 # The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
-#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-dv" (default: tests bench-27b bench-35b)
+#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-dv spec-dh" (default: tests bench-27b bench-35b)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
@@ -83,6 +83,12 @@ for stage in $STAGES; do
         timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench spec --shape $shape --weights q4 --method mtp \
           --draft-vocab-size ${DRAFT_VOCAB:-131072} ${BENCH_SPEC:---concurrency 1,8} --json "$OUT/spec-dv-$shape.json" 2>&1 | tee "$OUT/spec-dv-$shape.log"
       done ;;
+    spec-dh)  # the recipe's formats (q6 lm_head), MTP drafts over the whole head, then over a q4 draft head (--draft-head)
+      for shape in qwen3.6-27b qwen3.6-35b-a3b; do for dh in "" "--draft-vocab-size ${DRAFT_VOCAB:-131072} --draft-head"; do
+        tag=$([ -n "$dh" ] && echo dh || echo full)
+        timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench spec --shape $shape --weights recipe --method mtp $dh \
+          ${BENCH_SPEC:---concurrency 1,8} --json "$OUT/spec-dh-$shape-$tag.json" 2>&1 | tee "$OUT/spec-dh-$shape-$tag.log"
+      done; done ;;
     chunk-ab)  # 27B q4 prefill with prefill chunks of 1024, 4096 and 8192 tokens
       for chunk in 1024 4096 8192; do
         timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b --weights q4 --prompts ${CHUNK_PROMPTS:-8192} \

@@ -250,6 +250,28 @@ def test_the_artifacts_draft_head_drafts_its_ids_and_output_is_unchanged(tmp_pat
         engine(art, SpeculativeConfig("mtp", 3, draft_vocab_size=256))
 
 
+def test_a_synthetic_draft_head_is_drafted_from(ckpt):
+    """ninfer-bench spec --draft-head: random weights with a q4 draft head of 128 rows (ids = row numbers) at the tiny
+    dense shape; the engine drafts from it (its rows, not a view of the lm_head) and keeps plain decoding's output."""
+    from ninfer.runtime.draft_head import DRAFT_HEAD
+    from ninfer.runtime.artifact import open_artifact
+    from ninfer.runtime.models.config import parse_config
+    from ninfer.runtime.synthetic import random_weights
+    with open_artifact(ckpt[1]) as a:
+        cfg = parse_config(a.resource("config.json"))
+    ps = prompts(9, 5, seed=3)
+    outs = {}
+    for name, spec in (("plain", None), ("head", SpeculativeConfig("mtp", 3, draft_vocab_size=128))):
+        w = random_weights(cfg, "cpu", torch.float32, seed=1, fmt="bf16", mtp=True, draft_rows=128)
+        eng = Engine.from_weights(cfg, w, backend="reference", max_context=64, max_seqs=2, speculative=spec)
+        outs[name] = [s.generated for s in eng.generate(ps, max_new=12)]
+        if spec:
+            (rows, _), = eng.spec.draft_vocab.parts
+            assert rows is w[DRAFT_HEAD] and eng.spec.draft_vocab.ids.tolist() == list(range(128))
+            assert eng.spec.stats["num_draft_tokens"] > 0
+    assert outs["plain"] == outs["head"]
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_verify_attention_keeps_output_and_drafts(kinds, kind, monkeypatch):
     """NINFER_ATTN_VERIFY's path (the static round's attention layers, the MTP layer's too, as paged_attention_verify
