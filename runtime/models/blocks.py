@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..draft_head import DRAFT_HEAD
 from ..reference_quant import moe_op
 from ..weights import PackedWeight, cat_rows, split_rows
 from .config import HybridConfig
@@ -137,8 +138,10 @@ def side_stream(x: torch.Tensor):
 
 
 def dequant_scratch_bytes(weights: dict) -> int:
-    """The largest bf16 scratch a prefill decodes a packed matrix into (linear below): memory planning keeps it free."""
-    sizes = [2 * w.matrix[0] * w.matrix[1] for w in weights.values() if isinstance(w, PackedWeight)]
+    """The largest bf16 scratch a prefill decodes a packed matrix into (linear below): memory planning keeps it free.
+    The MTP draft head runs at decode sizes only (a lane's last rows), never decoded."""
+    sizes = [2 * w.matrix[0] * w.matrix[1] for name, w in weights.items()
+             if isinstance(w, PackedWeight) and name != DRAFT_HEAD]
     return max([s for s in sizes if s <= DEQUANT_MAX_BYTES], default=0)
 
 

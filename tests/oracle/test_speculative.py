@@ -255,6 +255,7 @@ def test_a_synthetic_draft_head_is_drafted_from(ckpt):
     dense shape; the engine drafts from it (its rows, not a view of the lm_head) and keeps plain decoding's output."""
     from ninfer.runtime.draft_head import DRAFT_HEAD
     from ninfer.runtime.artifact import open_artifact
+    from ninfer.runtime.models.blocks import dequant_scratch_bytes
     from ninfer.runtime.models.config import parse_config
     from ninfer.runtime.synthetic import random_weights
     with open_artifact(ckpt[1]) as a:
@@ -263,6 +264,7 @@ def test_a_synthetic_draft_head_is_drafted_from(ckpt):
     outs = {}
     for name, spec in (("plain", None), ("head", SpeculativeConfig("mtp", 3, draft_vocab_size=128))):
         w = random_weights(cfg, "cpu", torch.float32, seed=1, fmt="bf16", mtp=True, draft_rows=128)
+        assert dequant_scratch_bytes(w) == 0   # the draft head (the one packed matrix here) is never decoded
         eng = Engine.from_weights(cfg, w, backend="reference", max_context=64, max_seqs=2, speculative=spec)
         outs[name] = [s.generated for s in eng.generate(ps, max_new=12)]
         if spec:
