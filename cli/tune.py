@@ -70,24 +70,26 @@ def gpu_slug(name: str) -> str:
 
 def model_problems(shape: str, fmt: str) -> list[tuple[str, dict]]:
     """(op, problem) of every projection the model file runs through a linear op ({N, K}), of its routed
-    experts ({H, E, I, K}) and of its norms and router, at a model shape with the quantizable matrices in `fmt`."""
+    experts ({H, E, I, K}) and of its norms and router, at a model shape with the quantizable matrices in `fmt`;
+    the MTP layer's too (the real checkpoints carry one: speculative decoding runs it)."""
     from ninfer.runtime.synthetic import SHAPES, packed_formats, weight_shapes
     cfg = SHAPES[shape]
-    packed = packed_formats(cfg, fmt)
-    stored = {name: (s, packed.get(name, "bf16")) for name, s in weight_shapes(cfg).items()}
+    packed = packed_formats(cfg, fmt, mtp=True)
+    stored = {name: (s, packed.get(name, "bf16")) for name, s in weight_shapes(cfg, mtp=True).items()}
     return linear_problems(cfg, stored) + expert_problems(cfg, stored) + layer_problems(cfg) + mixer_problems(cfg)
 
 
 def artifact_problems(path) -> list[tuple[str, dict]]:
     """(op, problem) of an artifact's linear projections and routed experts, each in the format it is stored in,
-    and of its norms and router."""
+    and of its norms and router; the MTP layer's and its draft head's too (speculative decoding), not the vision
+    tower's."""
     from ninfer.runtime.artifact import open_artifact
     from ninfer.runtime.models.config import parse_config
     art = open_artifact(path)
     try:
         cfg = parse_config(art.resource("config.json"))
         stored = {name: (tuple(e.shape), e.format) for name, e in art.tensors.items()
-                  if not set(e.flags) & {"mtp", "visual"}}
+                  if "visual" not in e.flags}
     finally:
         art.close()
     return linear_problems(cfg, stored) + expert_problems(cfg, stored) + layer_problems(cfg) + mixer_problems(cfg)

@@ -85,6 +85,7 @@ def test_model_problems_are_the_linear_shapes_and_the_norms():
     got = model_problems("qwen3.6-27b", "q4")
     assert ("linear_q4", {"N": 34816, "K": 5120}) in got and ("linear_q4", {"N": 248320, "K": 5120}) in got
     assert ("linear", {"N": 96, "K": 5120}) in got            # the GDN b|a projection runs bf16
+    assert ("linear", {"N": 5120, "K": 10240}) in got         # the MTP layer's fc (bf16 here; speculative rounds)
     # GDN qkv (10240 rows) and z (6144) run as one projection at decode (GatedDeltaNet.fuse_weights) and as its
     # two row views at prefill (split_rows): all three are problems, the views' bf16 GEMM (dequant path) too
     assert ("linear_q4", {"N": 16384, "K": 5120}) in got
@@ -207,8 +208,10 @@ def test_artifact_problems_follow_each_tensors_stored_format(demo_artifact):
     for n, e in mats.items():
         assert (f"linear_{e.format}", {"N": e.shape[0], "K": e.shape[1]}) in got, n
     assert ("linear_q6", {"N": vocab, "K": hidden}) in got             # the tied lm_head reads the packed table
+    # the MTP layer's matrices too (w8: the recipe's mtp_ roles), its fc [H, 2H] among them
     assert {op for op, _ in got if op.startswith("linear")} == {"linear", "linear_q4", "linear_q5", "linear_q6",
-                                                                "linear_swiglu_q4"}
+                                                                "linear_swiglu_q4", "linear_w8"}
+    assert ("linear_w8", {"N": hidden, "K": 2 * hidden}) in got
 
 
 def tuned_text(spans, op="linear"):
