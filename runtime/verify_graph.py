@@ -58,7 +58,8 @@ class VerifyStep:
         self.query_start = torch.arange(0, T + 1, length, dtype=torch.int32, device=dev)
         self.rows = torch.arange(T, dtype=torch.int32, device=dev)
         self.out = torch.empty(T, dtype=torch.int32, device=dev)
-        self.drafts = torch.empty(length - 1, b, dtype=torch.int32, device=dev)   # draft j of every lane: row j
+        # draft j of every lane: row j, each row 16-byte aligned (the kernels' pointer contract: argmax writes it)
+        self.drafts = torch.empty(length - 1, -(-b // 4) * 4, dtype=torch.int32, device=dev)[:, :b]
         self.lanes = torch.arange(b, dtype=torch.int32, device=dev)
         self.lane_qs = torch.arange(b + 1, dtype=torch.int32, device=dev)
         # (row, flat index of a draft before it in the row's lane): row i of a lane counts drafts 1..i

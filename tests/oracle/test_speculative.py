@@ -196,6 +196,17 @@ def test_draft_vocabulary_drafts_inside_it_and_output_unchanged(ckpt, monkeypatc
     assert max(drafted("static")) < 256 and max(drafted("full")) >= 256
 
 
+def test_the_verify_steps_draft_rows_are_16_byte_aligned(ckpt):
+    """The captured round writes draft j of every lane through argmax's ids pointer, which the cuda backend requires
+    16-byte aligned: with 1 and 3 lanes too (a row of 1 or 3 int32 would put row 1 at 4 or 12 bytes)."""
+    from ninfer.runtime.verify_graph import VerifyStep
+    eng = engine(ckpt[1])
+    for b in (1, 3, 4):
+        vs = VerifyStep(eng, b, 4, False, torch.zeros(16, 1024, dtype=torch.int32), eng.spec.draft)
+        assert vs.drafts.shape == (3, b) and all(vs.drafts[j].data_ptr() % 16 == 0 for j in range(3))
+    eng.close()
+
+
 def test_draft_head_argmax_maps_its_rows_to_their_ids():
     """DraftVocab over an artifact's draft head (packed q4, 512 rows, their ids a permutation of 0..999): draft size
     200 reads its first 256 rows; a draft is the id of the highest of those rows' logits. A size beyond the head's
