@@ -2,8 +2,8 @@
 
 A verify step runs K + 1 tokens a lane through the prefill-shaped routes (GDN conv + delta rule, multi-token GEMV
 spans) where plain decoding runs gdn_decode and T = lanes; neither is bitwise equal to the other, so greedy outputs
-agree token for token up to the first near-tie (the batch rule of test_engine_gpu: a parting is allowed only where the
-plain run's top-1 margin, scored, is within twice model_bf16's atol). Drafts come from the MTP layer (random: mostly
+agree token for token up to the first near-tie (a parting is allowed only where the fp32 reference model's logits of
+the two tokens are within twice model_bf16's atol). Drafts come from the MTP layer (random: mostly
 rejected), from prompt lookup (n-grams), and from the plain run's own tokens (accepted: the rollback of the rejected
 tail and the commit of whole rounds); the verify step's CUDA graph against its launches; the MTP layer's output agrees with the reference backend's
 within model_bf16."""
@@ -58,15 +58,26 @@ def engines():
 
 
 def agree_up_to_near_ties(plain_eng, ps, got, want):
+    """Each output equals plain decoding's, or parts from it where the exact model (the fp32 reference backend on
+    the same artifact) cannot tell the two tokens apart: their fp32 logits within twice model_bf16's atol. (The
+    bf16 plain run is no oracle: on the tiny moe model, H100, a router near-tie put its logits 0.37 off the fp32
+    ones, and the rounds' token was the fp32 model's choice, 0.095 above plain's.)"""
+    from ninfer.runtime.engine import Engine
     atol = plain_eng.be.manifest.tolerances["model_bf16"]["atol"]
+    ref = None
     for i, (p, g, w) in enumerate(zip(ps, got, want)):
         d = next((j for j, (x, y) in enumerate(zip(g, w)) if x != y), None)
         if d is None:
             assert len(g) == len(w)
             continue
-        top2 = plain_eng.score(p + w[:d])[-1].float().topk(2).values
-        margin = (top2[0] - top2[1]).item()
-        assert margin <= 2 * atol, f"prompt {i}: speculative parts from plain at token {d}, margin {margin:.3f}"
+        if ref is None:
+            ref = Engine(plain_eng.art.path, backend="reference", max_context=400, max_seqs=1, prefill_chunk=16)
+        logits = ref.score(p + w[:d])[-1].float()
+        gap = abs(logits[w[d]] - logits[g[d]]).item()
+        assert gap <= 2 * atol, (f"prompt {i}: speculative parts from plain at token {d} ({g[d]} for {w[d]}), "
+                                 f"fp32 logits {gap:.3f} apart")
+    if ref is not None:
+        ref.close()
 
 
 @pytest.mark.parametrize("kind", KINDS)
