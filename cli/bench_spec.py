@@ -147,7 +147,7 @@ def spec_cmd(shape, fmt, method, k, draft_vocab_size, draft_head, concurrency, d
     copy_gbs, _ = measure_ceilings(torch)
     weights = random_weights(cfg, "cuda", fmt=fmt, mtp=method == "mtp",
                              draft_rows=-(-draft_vocab_size // 128) * 128 if draft_head else 0)
-    ctx = decode_prompt + (rounds * (k + 1) + 4) * (k + 1) + 16
+    ctx = decode_prompt + ((rounds + PROFILE_CALLS) * (k + 1) + 4) * (k + 1) + 16   # own drafts' calls, all kept
     eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
                               max_seqs=max(levels),
                               speculative=SpeculativeConfig(method, k, draft_vocab_size=draft_vocab_size))

@@ -246,8 +246,10 @@ class Speculator:
         """Verify each sequence's drafts, commit what holds (1..K+1 tokens each; the lanes' GDN states advanced over
         them), and draft the next round."""
         e = self.engine
-        for seq in seqs:   # drafts the lane may still use: within max_new, the context and the free pages
-            seq.drafts = seq.drafts[:self._budget(seq)]
+        spare = e.cache.available_pages
+        for seq in seqs:   # drafts the lane may still use: within max_new, the context and the pages the lanes before
+            seq.drafts = seq.drafts[:self._budget(seq, spare)]   # it left
+            spare -= self._new_pages(seq, len(seq.drafts))
         spans = [(len(s.tokens) - 1, len(s.tokens) + len(s.drafts)) for s in seqs]
         targets, normed, pending, proposed, static = self._verify(seqs, spans)
         kept, committed = [], []
@@ -404,15 +406,20 @@ class Speculator:
     def _proposed(self, seqs) -> None:
         """The sequences' drafts for their next round are set (drafts_from hooks in here)."""
 
-    def _budget(self, seq) -> int:
+    def _budget(self, seq, spare: int | None = None) -> int:
         """Drafts a sequence's next round may verify: a round commits up to that many + 1 tokens, within max_new and
-        the context, and its pages (positions up to len(tokens) - 1 + drafts) must be free to have."""
+        the context, and its pages (positions up to len(tokens) - 1 + drafts) must be free to have (of `spare` pages:
+        what the round's other lanes leave; default all available)."""
         cache = self.engine.cache
+        spare = cache.available_pages if spare is None else spare
         k = min(self.k, seq.max_new - seq.n_generated - 1, cache.max_context - len(seq.tokens) - 1)
-        ps, have = cache.page_size, len(seq.pages)
-        while k > 0 and -(-(len(seq.tokens) + k) // ps) - have > cache.available_pages:
+        while k > 0 and self._new_pages(seq, k) > spare:
             k -= 1
         return max(k, 0)
+
+    def _new_pages(self, seq, k: int) -> int:
+        """Pages a round with k drafts adds to the sequence's (its positions up to len(tokens) - 1 + k)."""
+        return max(0, -(-(len(seq.tokens) + k) // self.engine.cache.page_size) - len(seq.pages))
 
 
 @contextmanager

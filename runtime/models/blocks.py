@@ -100,9 +100,10 @@ SWIGLU_MIN_T = _env_tokens("NINFER_SWIGLU_MIN_T", DEQUANT_MIN_T)
 
 # Attention of a verify step (Step.run > 1) as paged_attention_verify: a block takes up to 16 // G of a lane's tokens
 # (G query heads a kv head) as the rows of its tile, so a key read serves several of the lane's K + 1 tokens where
-# paged_attention_split reads the lane's keys once per token. Written after the last GPU call (PERF_NOTES.md,
-# session 29): off until it has run on a GPU; NINFER_ATTN_VERIFY=1 turns it on (A/B runs).
-ATTN_VERIFY = os.environ.get("NINFER_ATTN_VERIFY", "0") == "1"
+# paged_attention_split reads the lane's keys once per token. H100, 8K context (PERF_NOTES.md, session 30): 27B one
+# lane of 4 tokens 52.9 -> 27.6 us, two lanes 99.5 -> 43.3; 35B-A3B 31.4 -> 21.5 and 54.0 -> 29.5 (the GPU tests of
+# every route pass). NINFER_ATTN_VERIFY=0 turns it off (A/B runs).
+ATTN_VERIFY = os.environ.get("NINFER_ATTN_VERIFY", "1") == "1"
 
 
 def attn_splits(T: int, kv_heads: int) -> int:

@@ -207,6 +207,29 @@ def test_the_verify_steps_draft_rows_are_16_byte_aligned(ckpt):
     eng.close()
 
 
+def test_lanes_share_the_free_pages_of_a_round(ckpt):
+    """Two lanes whose rounds each want a new KV page, one page free (a 3-page pool): the first lane verifies its
+    three drafts, the second only the one its own page still holds (the others would need the page the first took),
+    instead of running out of pages mid-round (ninfer-bench spec, 27B at C = 8 on the H100); both keep plain
+    decoding's tokens."""
+    _, art = ckpt
+    ps = prompts(14, 14, seed=9)
+    ref = plain(art, ps, 6)
+    eng = engine(art, MTP, kv_capacity=3, page_size=16)
+    seqs = [eng.open(p, max_new=6) for p in ps]
+    with drafts_from({tuple(p): p + r for p, r in zip(ps, ref)}):
+        for s in seqs:
+            while not eng.prefill(s):
+                pass
+        assert [len(s.pages) for s in seqs] == [1, 1] and eng.cache.available_pages == 1   # positions 0..14 each
+        eng.decode(seqs)   # lane 0: positions 14..17 (a new page); lane 1: 14..15, what its first page holds
+        assert [s.n_generated for s in seqs] == [5, 3] and eng.cache.available_pages == 0
+        assert [s.generated for s in seqs] == [ref[0][:5], ref[1][:3]]
+    for s in seqs:
+        eng.release(s)
+    eng.close()
+
+
 def test_draft_head_argmax_maps_its_rows_to_their_ids():
     """DraftVocab over an artifact's draft head (packed q4, 512 rows, their ids a permutation of 0..999): draft size
     200 reads its first 256 rows; a draft is the id of the highest of those rows' logits. A size beyond the head's
