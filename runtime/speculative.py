@@ -246,9 +246,9 @@ class Speculator:
         """Verify each sequence's drafts, commit what holds (1..K+1 tokens each; the lanes' GDN states advanced over
         them), and draft the next round."""
         e = self.engine
-        spare = e.cache.available_pages
-        for seq in seqs:   # drafts the lane may still use: within max_new, the context and the pages the lanes before
-            seq.drafts = seq.drafts[:self._budget(seq, spare)]   # it left
+        spare = e.cache.available_pages   # shared in order: a lane may take what the lanes before it left
+        for seq in seqs:   # drafts the lane may still use: within max_new, the context and the spare pages
+            seq.drafts = seq.drafts[:self._budget(seq, spare)]
             spare -= self._new_pages(seq, len(seq.drafts))
         spans = [(len(s.tokens) - 1, len(s.tokens) + len(s.drafts)) for s in seqs]
         targets, normed, pending, proposed, static = self._verify(seqs, spans)
