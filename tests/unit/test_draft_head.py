@@ -85,3 +85,29 @@ def test_bad_draft_head_options_are_refused_and_nothing_is_written(hf, tmp_path,
     r = cli("convert", d, "-o", out, "--no-progress", *[files.get(a, a) for a in args])
     assert r.exit_code != 0 and re.search(message, r.output), r.output
     assert not out.exists() and not list(tmp_path.glob(".x.ninfer*"))
+
+
+def _rewrite_entry(path, name, **fields):
+    """Change a tensor's directory entry in place (same header length: the payload stays where it is)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[8:16], "little")
+    doc = json.loads(raw[16:16 + n])
+    next(t for t in doc["tensors"] if t["name"] == name).update(fields)
+    js = json.dumps(doc, separators=(",", ":")).encode()
+    path.write_bytes(raw[:16] + js + b" " * (n - len(js)) + raw[16 + n:])
+
+
+def test_verify_checks_the_draft_head_against_its_ids(hf, tmp_path):
+    """A draft head whose shape or role no longer matches its ids (a hand-edited directory; q4 keeps the byte count
+    at K 250) fails `verify` by name."""
+    d, corpus = hf
+    out = tmp_path / "v.ninfer"
+    assert cli("convert", d, "-o", out, "--draft-vocab-size", 128, "--no-progress").exit_code == 0
+    _rewrite_entry(out, DRAFT_HEAD, shape=[128, 250])
+    r = cli("verify", out)
+    assert r.exit_code != 0 and "tensor lm_head_draft has shape [128, 250], its ids expect [128, 256]" in r.output, r.output
+    _rewrite_entry(out, DRAFT_HEAD, shape=[128, 256], role="lm_head")
+    r = cli("verify", out)
+    assert r.exit_code != 0 and "must have role lm_head_draft" in r.output, r.output
+    _rewrite_entry(out, DRAFT_HEAD, role=DRAFT_HEAD)
+    assert cli("verify", out).exit_code == 0
