@@ -2,7 +2,7 @@
 tensors, under the op's gdn_state_fp32 preset for y and the fp32 state (the conv state must match exactly: raw bf16
 inputs are moved, never rounded): the Qwen3.6-27B and 35B-A3B shapes and small odd ones, runs of 1..17 tokens (the
 kernel's 8-token chunks: 7, 8, 9, 16, 17), commit counts 0 (nothing written), 1, inside the run and the whole run,
-the span boundary of the real shapes' tables (T = 16 / 17 / 18: register tiles, then shared-memory ones), every
+the span boundary of the real shapes' tables (T = 16 / 17 / 18: cluster register tiles, then head.g1), every
 route instance on every shape its constraints admit, a verify + commit pair against decode steps, states
 untouched in other slots, and a CUDA-graph replay bitwise equal to eager. Skips cleanly without a GPU."""
 import pytest
