@@ -139,6 +139,7 @@ def spec_cmd(shape, fmt, method, k, draft_vocab_size, draft_head, concurrency, d
 
     from ninfer.cli.bench import measure_ceilings
     from ninfer.runtime.engine import Engine
+    from ninfer.runtime.format_base import TILE_ROWS, align_up
     from ninfer.runtime.speculative import SpeculativeConfig
     from ninfer.runtime.synthetic import SHAPES, TOKEN_DOMAIN, random_weights
     if draft_head and not draft_vocab_size:
@@ -146,7 +147,7 @@ def spec_cmd(shape, fmt, method, k, draft_vocab_size, draft_head, concurrency, d
     cfg, levels = SHAPES[shape], [int(x) for x in concurrency.split(",")]
     copy_gbs, _ = measure_ceilings(torch)
     weights = random_weights(cfg, "cuda", fmt=fmt, mtp=method == "mtp",
-                             draft_rows=-(-draft_vocab_size // 128) * 128 if draft_head else 0)
+                             draft_rows=align_up(draft_vocab_size, TILE_ROWS) if draft_head else 0)
     ctx = decode_prompt + ((rounds + PROFILE_CALLS) * (k + 1) + 4) * (k + 1) + 16   # own drafts' calls, all kept
     eng = Engine.from_weights(cfg, weights, backend="cuda", domain=TOKEN_DOMAIN, max_context=ctx,
                               max_seqs=max(levels),

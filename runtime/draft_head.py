@@ -27,12 +27,13 @@ CORPUS_PIECE = 1 << 20                # characters tokenized at a time
 def rank_ids(tokenizer_json: bytes, corpus: list[Path], vocab: int) -> tuple[list[int], int]:
     """Every id the tokenizer can produce among `vocab` rows (engine.token_domain: not the padding rows), most used
     first (see the module docstring), and how many corpus tokens were counted."""
-    from .tokenizer import Tokenizer, TokenizerError, id_domain
+    from .tokenizer import Tokenizer, TokenizerError, added_ids, id_domain
     try:
         tok = Tokenizer(tokenizer_json)
     except TokenizerError as e:
         raise ConvertError(f"--draft-vocab-size: {e}") from None
-    vocab = id_domain(json.loads(tokenizer_json), vocab)
+    parsed = json.loads(tokenizer_json)
+    vocab = id_domain(parsed, vocab)
     counts = np.zeros(vocab, np.int64)
     total = 0
     for path in corpus:
@@ -49,7 +50,7 @@ def rank_ids(tokenizer_json: bytes, corpus: list[Path], vocab: int) -> tuple[lis
             raise ConvertError(f"--draft-vocab-corpus {path}: {e.strerror or e}") from None
     if corpus and total == 0:
         raise ConvertError(f"--draft-vocab-corpus {', '.join(map(str, corpus))}: no tokens (empty text)")
-    added = sorted({t["id"] for t in json.loads(tokenizer_json).get("added_tokens", []) if t["id"] < vocab})
+    added = [i for i in added_ids(parsed) if i < vocab]
     key = counts.astype(np.float64)
     key[added] = np.inf                       # the added tokens first, whatever the corpus
     order = np.lexsort((np.arange(vocab), -key))   # by count, most first; ties (and unseen ids) by id

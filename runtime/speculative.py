@@ -38,6 +38,7 @@ from .draft_head import DRAFT_HEAD, DRAFT_IDS
 from .format_base import TILE_ROWS, align_up
 from .models.blocks import commit_round, linear
 from .weights import PackedWeight, split_rows
+from .tokenizer import added_ids
 from .verify_graph import VerifyStep
 
 log = logging.getLogger("ninfer.speculative")
@@ -107,10 +108,9 @@ def _count(name: str, v, hi: int) -> None:
 def added_token_ids(art) -> list[int]:
     """The ids of the tokenizer's added tokens (<|im_end|>, <think>, the tool-call tags, ...), none without one."""
     try:
-        tok = json.loads(art.resource("tokenizer.json")) if art is not None else {}
+        return added_ids(json.loads(art.resource("tokenizer.json"))) if art is not None else []
     except KeyError:
         return []
-    return sorted(t["id"] for t in tok.get("added_tokens", []))
 
 
 def _rows_of(w) -> int:
@@ -133,9 +133,9 @@ class DraftVocab:
       (the end of a turn, thinking and tool-call tags).
     Either way a draft reads about N / V of the head's bytes."""
 
-    def __init__(self, parts: list, ids: list[int], device):
+    def __init__(self, parts: list, ids, device):
         self.parts = parts                       # [(weight, logits kept of its rows)]
-        self.ids = torch.tensor(ids, dtype=torch.int32, device=device)
+        self.ids = torch.as_tensor(ids, dtype=torch.int32, device=device)
 
     @classmethod
     def from_lm_head(cls, lm_head, n: int, added: list[int], domain: int) -> "DraftVocab":
@@ -153,16 +153,17 @@ class DraftVocab:
         return cls(parts, ids, _device_of(lm_head))
 
     @classmethod
-    def from_draft_head(cls, head, head_ids: list[int], n: int, domain: int) -> "DraftVocab":
-        rows = _rows_of(head)
+    def from_draft_head(cls, head, head_ids, n: int, domain: int) -> "DraftVocab":
+        rows, dev = _rows_of(head), _device_of(head)
+        head_ids = torch.as_tensor(head_ids, dtype=torch.int32, device=dev)   # (the loaded ids: no copy)
         p = align_up(n, TILE_ROWS)
         if p > rows:
             raise SpeculativeConfigError(f"draft_vocab_size {n} is more than the artifact's draft head holds ({rows} rows; "
                                          f"convert with a larger --draft-vocab-size, or ask for at most {rows})")
-        if len(head_ids) != rows or not all(0 <= i < domain for i in head_ids[:p]):
+        if len(head_ids) != rows or not 0 <= int(head_ids[:p].min()) <= int(head_ids[:p].max()) < domain:
             raise SpeculativeConfigError(f"the artifact's draft head: {len(head_ids)} ids for {rows} rows, or an id "
                                          f"outside the {domain} the tokenizer produces (reconvert it)")
-        return cls([(cls._rows(head, 0, p), p)], head_ids[:p], _device_of(head))
+        return cls([(cls._rows(head, 0, p), p)], head_ids[:p], dev)
 
     @staticmethod
     def _rows(w, a: int, b: int):
@@ -219,7 +220,7 @@ class Speculator:
         self.draft_vocab = None
         if config.draft_vocab_size is not None:
             head, n = engine.weights.get(DRAFT_HEAD), config.draft_vocab_size
-            self.draft_vocab = (DraftVocab.from_draft_head(head, engine.weights[DRAFT_IDS].tolist(), n, engine.domain)
+            self.draft_vocab = (DraftVocab.from_draft_head(head, engine.weights[DRAFT_IDS], n, engine.domain)
                                 if head is not None
                                 else DraftVocab.from_lm_head(engine.model.lm_head, n, added_token_ids(engine.art), engine.domain))
 

@@ -18,9 +18,14 @@ from collections import OrderedDict
 from functools import cached_property
 
 
+def added_ids(tokenizer: dict) -> list[int]:
+    """The ids of a tokenizer's (tokenizer.json, parsed) added tokens: <|im_end|>, <think>, the tool-call tags, ..."""
+    return sorted(t["id"] for t in tokenizer.get("added_tokens", []))
+
+
 def id_domain(tokenizer: dict, vocab: int) -> int:
     """Ids a tokenizer (tokenizer.json, parsed) can produce among a model's `vocab` rows (engine.token_domain)."""
-    ids = list(tokenizer.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in tokenizer.get("added_tokens", [])]
+    ids = list(tokenizer.get("model", {}).get("vocab", {}).values()) + added_ids(tokenizer)
     size = max(ids) + 1 if ids else 0
     return min(vocab, size) if size >= vocab // 2 else vocab
 
