@@ -8,7 +8,8 @@ T - 1] is timed (CUDA-graph replays over input copies that exceed the L2, as `ni
 owns the span. A route whose first launch takes SKIP_FACTOR x the fastest full timing so far at that T is
 dropped there without its full timing (a decode attention route over a 4096-token prefill chunk). Decode-only
 ops are timed on their own grid (OP_GRIDS: the decode batch sizes they serve). Nothing is written until every
-measurement is done and the new file passed validation, so an interrupted run leaves the previous table as it was.
+measurement is done and the new file passed validation, so an interrupted run leaves the previous table as it was;
+--max-seconds stops a run between problems instead and writes the problems it finished (the others keep their tables).
 --keep-above re-tunes only the spans up to the grid's largest T (the decode batch sizes, say) and keeps the previous
 table's spans above it.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 import re
 import shutil
 import sys
@@ -326,9 +328,11 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
 @click.option("--keep-above", is_flag=True,
               help="replace only the spans up to the grid's largest T, keeping the previous table's spans above it "
                    "(e.g. re-tune the decode spans with --grid 1,2,3,4,5,8)")
+@click.option("--max-seconds", type=click.FloatRange(min=0), default=None,
+              help="start no problem after this many seconds; write the problems finished (a run under a time limit)")
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
               help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
-def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, specs_dir) -> None:
+def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, max_seconds, specs_dir) -> None:
     """Time every route of every linear, expert, norm, router, GDN and attention problem of a model on this GPU;
     write specs/tuned/<gpu>.yaml."""
     from ninfer.runtime.cuda import gpu_available
@@ -365,26 +369,45 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, specs
     if keep_above:   # refuse a problem with no previous table before timing anything
         for op, problem in problems:
             _previous_spans(existing, op, problem)
-    tables = []
-    for op, problem in problems:
+    def tune_one(op, problem):
         grid_t = list(OP_GRIDS.get(op, ts))
         winners = measure(be, op, problem, grid_t, reps, lambda m: click.echo(m, err=True), verbose,
                           extra=lambda t: step_dims(op, t, problem, everything), bounded=keep_above)
         spans = build_spans(grid_t, winners)
         if keep_above:
             spans = _keep_above(existing, op, problem, spans, grid_t[-1])
-        tables.append({"op": op, "problem": problem, "spans": spans})
-    note = run_note(datetime.date.today().isoformat(), source, ts, keep_above)
+        return {"op": op, "problem": problem, "spans": spans}
+
+    tables = tune_within(problems, tune_one, max_seconds, lambda m: click.echo(m, err=True))
+    if not tables:
+        click.echo("ninfer-tune: --max-seconds ran out before the first problem was tuned; nothing was written", err=True)
+        sys.exit(1)
+    cut = len(tables) < len(problems)
+    note = run_note(datetime.date.today().isoformat(), source, ts, keep_above, cut=cut)
     if existing.is_file():    # keep the previous tables of problems this run did not measure, and their runs' notes
-        tables, note = _merge(existing, tables, note, source, replaces=not keep_above)
+        tables, note = _merge(existing, tables, note, source, replaces=not (keep_above or cut))
     dest = write_validated(root, ROOT / "codegen" / "templates", name, render(gpu, arch, note, tables))
     click.echo(f"wrote {dest}: {len(tables)} tables; run `make generate` to use them")
 
 
-def run_note(day: str, source: str, ts: list[int], keep_above: bool) -> str:
-    """This run's entry in the file's `measured` notes; no "; " inside it (the separator of the runs' notes)."""
+def tune_within(problems: list, tune_one, max_seconds: float | None, echo, clock=time.monotonic) -> list[dict]:
+    """tune_one(op, problem) of each problem in order, starting none after max_seconds (None: no limit)."""
+    tables, start = [], clock()
+    for op, problem in problems:
+        if max_seconds is not None and clock() - start > max_seconds:
+            echo(f"# --max-seconds {max_seconds:g}: stopped before {op} {label(problem)}, "
+                 f"{len(tables)} of {len(problems)} problems tuned")
+            break
+        tables.append(tune_one(op, problem))
+    return tables
+
+
+def run_note(day: str, source: str, ts: list[int], keep_above: bool, cut: bool = False) -> str:
+    """This run's entry in the file's `measured` notes; no "; " inside it (the separator of the runs' notes). A run cut
+    by --max-seconds says so: the earlier notes of its source stay, as the tables of the problems it did not reach."""
     note = f"{day}, {source}, grid {','.join(map(str, ts))}"
-    return note + (f" (spans up to T = {ts[-1]}, the earlier runs' above)" if keep_above else "")
+    note += f" (spans up to T = {ts[-1]}, the earlier runs' above)" if keep_above else ""
+    return note + (" (cut by --max-seconds: the problems it reached)" if cut else "")
 
 
 def _key(op: str, problem: dict | None) -> tuple:

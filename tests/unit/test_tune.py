@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ninfer.cli.tune import (_keep_above, _merge, artifact_problems, build_spans, gpu_slug, model_problems, render, run_note,
+                             tune_within,
                              splice_spans, write_validated)
 from ninfer.codegen.render import build_manifest_and_sources
 from ninfer.codegen.specs import load_specs
@@ -79,6 +80,32 @@ def test_a_keep_above_run_keeps_the_notes_of_the_spans_it_kept(tmp_path):
     assert note.split("; ") == ["2026-11-30, qwen3.6-27b q4 (linear_q4), grid 1,2,64",
                                 "2026-12-01, qwen3.6-27b q4 (linear_q4), grid 1,2 (spans up to T = 2, the earlier "
                                 "runs' above)"]
+
+
+def test_max_seconds_stops_between_problems_and_the_cut_run_keeps_the_earlier_notes(tmp_path):
+    """--max-seconds: no problem starts after the limit (the one running finishes), the problems reached are returned
+    in order, the stop is reported; the cut run's note says so and, like a --keep-above run, keeps the earlier note of
+    its source (the tables of the problems it did not reach are still those runs')."""
+    problems = [("linear_q4", {"N": n, "K": 5120}) for n in (6144, 10240, 34816)]
+    now, done, said = [0.0], [], []
+
+    def tune_one(op, problem):
+        done.append(problem["N"])
+        now[0] += 40.0    # each problem takes 40 s
+        return {"op": op, "problem": problem, "spans": [{"from": 1, "to": None, "use": "gemv.t1"}]}
+
+    tables = tune_within(problems, tune_one, 50, said.append, clock=lambda: now[0])
+    assert done == [6144, 10240] and [t["problem"]["N"] for t in tables] == done
+    assert said == ["# --max-seconds 50: stopped before linear_q4 34816x5120, 2 of 3 problems tuned"]
+    now[0], done[:] = 0.0, []
+    assert len(tune_within(problems, tune_one, None, said.append, clock=lambda: now[0])) == 3 and len(said) == 1
+    f = tmp_path / "gpu.yaml"
+    f.write_text(render(GPU, "sm_90a", "2026-11-30, qwen3.6-27b q4 (linear_q4), grid 1,2,64", tables), encoding="utf-8")
+    source = "qwen3.6-27b q4 (linear_q4)"
+    _, note = _merge(f, tables[:1], run_note("2026-12-05", source, [1, 2, 64], False, cut=True), source, replaces=False)
+    assert note.split("; ") == ["2026-11-30, qwen3.6-27b q4 (linear_q4), grid 1,2,64",
+                                "2026-12-05, qwen3.6-27b q4 (linear_q4), grid 1,2,64 (cut by --max-seconds: the problems "
+                                "it reached)"]
 
 
 def test_model_problems_are_the_linear_shapes_and_the_norms():
