@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 import re
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import click
