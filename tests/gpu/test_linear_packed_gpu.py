@@ -6,8 +6,8 @@ tile, K not a multiple of 128, K = 8), and is compared with the reference backen
 matmul, one bf16 rounding) on clones under the op's preset. The buffers around the arguments are poisoned
 (NaN after x's last row and in its absent token rows, 0xFF bytes after w: NaN scales / E4M3 NaN codes,
 a sentinel after y) so a read past K, past T or past the packed bytes, or a write past y, shows up.
-Plus: linear_swiglu_q4's GEMV routes (SwiGLU in the epilogue), the route table at T = 1, 8, 9 (9 is the mma
-route, the boundary), two real 27B shapes, and a CUDA-graph capture of a gemv call. Skips cleanly without a GPU."""
+Plus: linear_swiglu_q4's GEMV routes (SwiGLU in the epilogue), the route table at T = 1, 8, 9 and its last GEMV
+span's end, two real 27B shapes, and a CUDA-graph capture of a gemv call. Skips cleanly without a GPU."""
 import numpy as np
 import pytest
 import torch
@@ -150,7 +150,8 @@ def test_every_swiglu_gemv_tile(be, ref, I, K):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_route_table_boundary(be, ref, fmt):
     """No route named: the table's choice at T = 1, 8, 9 and at both sides of the last gemv span's end
-    (the hand-over to the mma route, T = 9 today), on an odd shape."""
+    (the hand-over to the mma route: T = 65 for q4, whose default table takes the token-chunked GEMV up to 64;
+    T = 17 or 9 for the others), on an odd shape."""
     N, K = 300, 200
     op = f"linear_{fmt}"
     spans = be.manifest.table(be.device.arch, op, "bf16", {"N": N, "K": K})
