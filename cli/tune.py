@@ -11,7 +11,7 @@ ops are timed on their own grid (OP_GRIDS: the decode batch sizes they serve). N
 measurement is done and the new file passed validation, so an interrupted run leaves the previous table as it was;
 --max-seconds stops a run between problems instead and writes the problems it finished (the others keep their tables).
 --keep-above re-tunes only the spans up to the grid's largest T (the decode batch sizes, say) and keeps the previous
-table's spans above it.
+table's spans above it; with a grid from above 1 (--grid 17,32,64) also those below its first T.
 """
 from __future__ import annotations
 
@@ -37,10 +37,12 @@ OP_GRIDS = {"gdn_decode": (1, 2, 3, 4, 5, 8, 9, 16, 32, 64), "gdn_verify": (1, 2
 SKIP_FACTOR = 4
 
 
-def build_spans(grid: list[int], winners: list[str]) -> list[dict]:
+def build_spans(grid: list[int], winners: list[str], window: bool = False) -> list[dict]:
     """The fastest instance at grid[i] owns T = grid[i] .. grid[i+1] - 1 (the last one to ∞); equal
-    neighbours merge. grid starts at 1, so the spans cover every T once."""
-    if not grid or grid[0] != 1 or sorted(set(grid)) != list(grid) or len(winners) != len(grid):
+    neighbours merge. grid starts at 1, so the spans cover every T once (window: it may start above 1, the spans
+    then cover grid[0] on, for splice_spans to put between the previous table's)."""
+    if (not grid or grid[0] < 1 or (grid[0] != 1 and not window) or sorted(set(grid)) != list(grid)
+            or len(winners) != len(grid)):
         raise ValueError("the T grid must be strictly increasing from 1, with one winner per T")
     spans: list[dict] = []
     for i, (t, use) in enumerate(zip(grid, winners)):
@@ -52,10 +54,11 @@ def build_spans(grid: list[int], winners: list[str]) -> list[dict]:
     return spans
 
 
-def splice_spans(new: list[dict], old: list[dict], last: int) -> list[dict]:
-    """`new` up to T = last (the grid's largest T; its winner stops there), then `old` from last + 1 on; equal
-    neighbours merge. Both cover every T once, so the result does too."""
-    spans: list[dict] = []
+def splice_spans(new: list[dict], old: list[dict], last: int, first: int = 1) -> list[dict]:
+    """`old` below T = first, `new` from first to last (the grid's smallest and largest T; its last winner stops
+    there), then `old` from last + 1 on; equal neighbours merge. `old` covers every T once and `new` every T from
+    first on, so the result covers every T once."""
+    spans: list[dict] = [dict(s, to=min(s["to"] or first - 1, first - 1)) for s in old if s["from"] < first]
     clipped = [dict(s, to=min(s["to"] or last, last)) for s in new if s["from"] <= last]
     clipped += [dict(s, **{"from": max(s["from"], last + 1)}) for s in old if s["to"] is None or s["to"] > last]
     for s in clipped:
@@ -327,7 +330,8 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
 @click.option("-v", "--verbose", is_flag=True, help="print every route instance's time, not only the fastest")
 @click.option("--keep-above", is_flag=True,
               help="replace only the spans up to the grid's largest T, keeping the previous table's spans above it "
-                   "(e.g. re-tune the decode spans with --grid 1,2,3,4,5,8)")
+                   "(e.g. re-tune the decode spans with --grid 1,2,3,4,5,8), and below its smallest where it starts "
+                   "above 1 (--grid 17,32,64: the verify steps of several lanes)")
 @click.option("--max-seconds", type=click.FloatRange(min=0), default=None,
               help="start no problem after this many seconds; write the problems finished (a run under a time limit)")
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
@@ -342,9 +346,10 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, max_s
         sys.exit(2)
     try:
         ts = [int(x) for x in grid.split(",")]
-        build_spans(ts, ["x"] * len(ts))
+        build_spans(ts, ["x"] * len(ts), window=keep_above)
     except ValueError:
-        raise click.BadParameter("expected comma-separated T values increasing from 1", param_hint="--grid") from None
+        raise click.BadParameter("expected comma-separated T values increasing from 1 (from any T with --keep-above)",
+                                 param_hint="--grid") from None
     from ninfer.runtime.dispatch import CudaBackend
     be = CudaBackend()
     if artifact:
@@ -373,9 +378,9 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, max_s
         grid_t = list(OP_GRIDS.get(op, ts))
         winners = measure(be, op, problem, grid_t, reps, lambda m: click.echo(m, err=True), verbose,
                           extra=lambda t: step_dims(op, t, problem, everything), bounded=keep_above)
-        spans = build_spans(grid_t, winners)
+        spans = build_spans(grid_t, winners, window=keep_above)
         if keep_above:
-            spans = _keep_above(existing, op, problem, spans, grid_t[-1])
+            spans = _keep_above(existing, op, problem, spans, grid_t[0], grid_t[-1])
         return {"op": op, "problem": problem, "spans": spans}
 
     tables = tune_within(problems, tune_one, max_seconds, lambda m: click.echo(m, err=True))
@@ -406,7 +411,9 @@ def run_note(day: str, source: str, ts: list[int], keep_above: bool, cut: bool =
     """This run's entry in the file's `measured` notes; no "; " inside it (the separator of the runs' notes). A run cut
     by --max-seconds says so: the earlier notes of its source stay, as the tables of the problems it did not reach."""
     note = f"{day}, {source}, grid {','.join(map(str, ts))}"
-    note += f" (spans up to T = {ts[-1]}, the earlier runs' above)" if keep_above else ""
+    if keep_above:
+        note += (f" (spans up to T = {ts[-1]}, the earlier runs' above)" if ts[0] == 1 else
+                 f" (spans T = {ts[0]}..{ts[-1]}, the earlier runs' below and above)")
     return note + (" (cut by --max-seconds: the problems it reached)" if cut else "")
 
 
@@ -427,9 +434,10 @@ def _previous_spans(existing: Path, op: str, problem: dict) -> list[dict]:
     return prev["spans"]
 
 
-def _keep_above(existing: Path, op: str, problem: dict, spans: list[dict], last: int) -> list[dict]:
-    """--keep-above: the new spans up to `last`, then the existing table's of the same problem above it."""
-    return splice_spans(spans, _previous_spans(existing, op, problem), last)
+def _keep_above(existing: Path, op: str, problem: dict, spans: list[dict], first: int, last: int) -> list[dict]:
+    """--keep-above: the existing table's spans of the same problem below `first` (a grid from above 1) and above
+    `last`, the new ones between."""
+    return splice_spans(spans, _previous_spans(existing, op, problem), last, first)
 
 
 def _merge(existing: Path, tables: list[dict], note: str, source: str, replaces: bool = True) -> tuple[list[dict], str]:

@@ -39,10 +39,31 @@ def test_keep_above_splices_the_decode_spans_onto_the_previous_table(tmp_path):
     f = tmp_path / "gpu.yaml"
     f.write_text(render(GPU, "sm_90a", "2026-11-30, qwen3.6-27b q4, grid 1,2", [{"op": "linear_q4", "problem": PROBLEM, "spans": old}]),
                  encoding="utf-8")
-    assert _keep_above(f, "linear_q4", PROBLEM, new, 8)[-1] == {"from": 17, "to": None, "use": "mma.m64"}
+    assert _keep_above(f, "linear_q4", PROBLEM, new, 1, 8)[-1] == {"from": 17, "to": None, "use": "mma.m64"}
     import click
     with pytest.raises(click.UsageError, match="no table of linear_q4 5120x5120"):
-        _keep_above(f, "linear_q4", {"N": 5120, "K": 5120}, new, 8)
+        _keep_above(f, "linear_q4", {"N": 5120, "K": 5120}, new, 1, 8)
+
+
+def test_keep_above_with_a_grid_from_above_one_keeps_the_spans_below_it_too(tmp_path):
+    """--keep-above --grid 17,32,64: the new winners own T = 17..64 only (the one at 17 from 17, the last stopping at
+    64); the previous table's spans hold below 17 (one cut at 16) and above 64; equal neighbours merge; without
+    --keep-above such a grid is refused (nothing would cover T = 1..16); the note says which spans the run set."""
+    old = [{"from": 1, "to": 8, "use": "gemv.t8"}, {"from": 9, "to": 20, "use": "gemv_batch.t16"},
+           {"from": 21, "to": None, "use": "mma.m64"}]
+    new = build_spans([17, 32, 64], ["c16", "c16", "mma.m64"], window=True)
+    assert new[0]["from"] == 17
+    assert splice_spans(new, old, 64, 17) == [{"from": 1, "to": 8, "use": "gemv.t8"},
+                                              {"from": 9, "to": 16, "use": "gemv_batch.t16"},
+                                              {"from": 17, "to": 63, "use": "c16"},
+                                              {"from": 64, "to": None, "use": "mma.m64"}]
+    assert splice_spans([{"from": 9, "to": None, "use": "gemv.t8"}], old, 12, 9) == [
+        {"from": 1, "to": 12, "use": "gemv.t8"}, {"from": 13, "to": 20, "use": "gemv_batch.t16"},
+        {"from": 21, "to": None, "use": "mma.m64"}]
+    with pytest.raises(ValueError):
+        build_spans([17, 32, 64], ["a"] * 3)
+    assert run_note("2026-12-05", "qwen3.6-27b q4 (linear_q4)", [17, 32, 64], True) == (
+        "2026-12-05, qwen3.6-27b q4 (linear_q4), grid 17,32,64 (spans T = 17..64, the earlier runs' below and above)")
 
 
 def test_a_new_run_keeps_the_other_problems_and_notes(tmp_path):
