@@ -27,10 +27,14 @@ run_tests() {  # each file in its own process: a faulting kernel must not hide t
 for stage in $STAGES; do
   case $stage in
     tests) run_tests ;;
-    tune)  # ninfer-tune, then regenerate so the later stages run on the new tables; the file comes back in the logs
-      timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.tune ${TUNE:---shape qwen3.6-27b --weights q4 --op linear_q4} \
-        --max-seconds $(( ${BENCH_TIMEOUT:-500} - 120 )) > "$OUT/tune.log" 2>&1  # write what was tuned before the cut
-      tail -3 "$OUT/tune.log"; cp specs/tuned/*.yaml "$OUT/"; $PY -m ninfer.codegen > /dev/null ;;
+    tune)  # ninfer-tune (TUNE: one run's arguments, or several separated by ';', each under BENCH_TIMEOUT and writing what
+      # it finished before the cut), then regenerate so the later stages run on the new tables; the file comes back in the logs
+      IFS=';' read -ra runs <<< "${TUNE:---shape qwen3.6-27b --weights q4 --op linear_q4}"
+      for run in "${runs[@]}"; do
+        timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.tune $run --max-seconds $(( ${BENCH_TIMEOUT:-500} - 120 )) >> "$OUT/tune.log" 2>&1
+        tail -2 "$OUT/tune.log"
+      done
+      cp specs/tuned/*.yaml "$OUT/"; $PY -m ninfer.codegen > /dev/null ;;
     bench-ops) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench ops $(for o in ${BENCH_OPS:-}; do echo --op $o; done) $(for r in ${BENCH_ROUTES:-}; do echo --route $r; done) --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
     bench-27b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b ${BENCH27:-} --json "$OUT/bench-27b.json" 2>&1 | tee "$OUT/bench-27b.log" ;;
     bench-27b-bf16) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b --weights bf16 ${BENCH27_BF16:-} --json "$OUT/bench-27b-bf16.json" 2>&1 | tee "$OUT/bench-27b-bf16.log" ;;
