@@ -37,9 +37,9 @@ from .decode_graph import count_tokens
 from .draft_head import DRAFT_HEAD, DRAFT_IDS
 from .format_base import TILE_ROWS, align_up
 from .models.blocks import commit_round, linear
-from .weights import PackedWeight, split_rows
 from .tokenizer import added_ids
 from .verify_graph import VerifyStep
+from .weights import PackedWeight, split_rows
 
 log = logging.getLogger("ninfer.speculative")
 METHODS = ("mtp", "ngram")
@@ -312,8 +312,7 @@ class Speculator:
         if self.static and all(
                 (len(s.drafts) == self.k or not self.mtp) and r <= min(len(s.prompt) + s.max_new, cache.max_context)
                 for s, r in zip(seqs, reach)) \
-                and sum(max(0, -(-r // cache.page_size) - len(s.pages)) for s, r in zip(seqs, reach)) \
-                <= cache.available_pages:
+                and sum(self._new_pages(s, r - len(s.tokens)) for s, r in zip(seqs, reach)) <= cache.available_pages:
             for s, r in zip(seqs, reach):
                 cache.grow(s.pages, r)
             vs = self.verify.get(len(seqs)) or self._verify_step(len(seqs))
