@@ -16,6 +16,7 @@ table's spans above it; with a grid from above 1 (--grid 17,32,64) also those be
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import shutil
@@ -283,7 +284,8 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
 def render(gpu: str, arch: str, note: str, tables: list[dict]) -> str:
     lines = [f"# Route tables measured by ninfer-tune on {gpu} ({arch}). Regenerate with ninfer-tune; hand",
              "# edits are validated like any table (closed catalogue) by `make generate`.",
-             f"gpu: {gpu}", f"arch: {arch}", f"measured: {note}", "tables:"]
+             # the notes are free text (": " in a cut run's note): quoted, as JSON strings are valid YAML
+             f"gpu: {json.dumps(gpu)}", f"arch: {arch}", f"measured: {json.dumps(note)}", "tables:"]
     for t in tables:
         problem = ", ".join(f"{k}: {v}" for k, v in t["problem"].items())
         lines += [f"  - op: {t['op']}", "    dtypes: [bf16]", f"    problem: {{{problem}}}", "    spans:"]

@@ -9,7 +9,7 @@ from ninfer.cli.tune import (_keep_above, _merge, artifact_problems, build_spans
                              splice_spans, write_validated)
 from ninfer.codegen.render import build_manifest_and_sources
 from ninfer.codegen.specs import load_specs
-from ninfer.codegen.yamlio import SpecError
+from ninfer.codegen.yamlio import SpecError, load_yaml
 from ninfer.runtime.manifest import Manifest
 
 GPU = "Test GPU 9000"
@@ -127,6 +127,8 @@ def test_max_seconds_stops_between_problems_and_the_cut_run_keeps_the_earlier_no
     assert note.split("; ") == ["2026-11-30, qwen3.6-27b q4 (linear_q4), grid 1,2,64",
                                 "2026-12-05, qwen3.6-27b q4 (linear_q4), grid 1,2,64 (cut by --max-seconds: the problems "
                                 "it reached)"]
+    f.write_text(render(GPU, "sm_90a", note, tables), encoding="utf-8")   # the cut note's ": " stays a string
+    assert load_yaml(f, tmp_path)["measured"] == note
 
 
 def test_model_problems_are_the_linear_shapes_and_the_norms():
