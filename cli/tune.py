@@ -10,6 +10,7 @@ dropped there without its full timing (a decode attention route over a 4096-toke
 ops are timed on their own grid (OP_GRIDS: the decode batch sizes they serve). Nothing is written until every
 measurement is done and the new file passed validation, so an interrupted run leaves the previous table as it was;
 --max-seconds stops a run between problems instead and writes the problems it finished (the others keep their tables).
+--missing-only tunes only the problems the GPU's file has no table for: the same command again finishes a cut run.
 --keep-above re-tunes only the spans up to the grid's largest T (the decode batch sizes, say) and keeps the previous
 table's spans above it; with a grid from above 1 (--grid 17,32,64) also those below its first T.
 """
@@ -336,13 +337,17 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
                    "above 1 (--grid 17,32,64: the verify steps of several lanes)")
 @click.option("--max-seconds", type=click.FloatRange(min=0), default=None,
               help="start no problem after this many seconds; write the problems finished (a run under a time limit)")
+@click.option("--missing-only", is_flag=True,
+              help="tune only the problems this GPU's tuned file has no table for (run a cut command again to finish it)")
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
               help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
-def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, max_seconds, specs_dir) -> None:
+def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, max_seconds, missing_only, specs_dir) -> None:
     """Time every route of every linear, expert, norm, router, GDN and attention problem of a model on this GPU;
     write specs/tuned/<gpu>.yaml."""
     from ninfer.runtime.cuda import gpu_available
     from ninfer.runtime.paths import ROOT
+    if keep_above and missing_only:
+        raise click.UsageError("--keep-above re-tunes problems that have a table, --missing-only those without: pick one")
     if not gpu_available():
         click.echo("ninfer-tune: needs a CUDA GPU (none found); nothing was written", err=True)
         sys.exit(2)
@@ -369,10 +374,15 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, max_s
         raise click.BadParameter(f"no problem of {source} matches --op {', '.join(ops) or '(any)'} "
                                  f"--problem {', '.join(only) or '(any)'}", param_hint="--op/--problem")
     gpu, arch = be.device.name, be.device.arch
-    click.echo(f"# ninfer-tune on {gpu} ({arch}): {len(problems)} problems x {len(ts)} T values", err=True)
     root = Path(specs_dir) if specs_dir else ROOT / "specs"
     name = f"{gpu_slug(gpu)}.yaml"
     existing = root / "tuned" / name
+    if missing_only:
+        problems = missing(existing, problems)
+        if not problems:
+            click.echo(f"ninfer-tune: {existing} has a table for every problem of {source}; nothing to tune", err=True)
+            return
+    click.echo(f"# ninfer-tune on {gpu} ({arch}): {len(problems)} problems x {len(ts)} T values", err=True)
     if keep_above:   # refuse a problem with no previous table before timing anything
         for op, problem in problems:
             _previous_spans(existing, op, problem)
@@ -390,9 +400,9 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, max_s
         click.echo("ninfer-tune: --max-seconds ran out before the first problem was tuned; nothing was written", err=True)
         sys.exit(1)
     cut = len(tables) < len(problems)
-    note = run_note(datetime.date.today().isoformat(), source, ts, keep_above, cut=cut)
+    note = run_note(datetime.date.today().isoformat(), source, ts, keep_above, cut=cut, missing_only=missing_only)
     if existing.is_file():    # keep the previous tables of problems this run did not measure, and their runs' notes
-        tables, note = _merge(existing, tables, note, source, replaces=not (keep_above or cut))
+        tables, note = _merge(existing, tables, note, source, replaces=not (keep_above or cut or missing_only))
     dest = write_validated(root, ROOT / "codegen" / "templates", name, render(gpu, arch, note, tables))
     click.echo(f"wrote {dest}: {len(tables)} tables; run `make generate` to use them")
 
@@ -409,10 +419,21 @@ def tune_within(problems: list, tune_one, max_seconds: float | None, echo, clock
     return tables
 
 
-def run_note(day: str, source: str, ts: list[int], keep_above: bool, cut: bool = False) -> str:
+def missing(existing: Path, problems: list) -> list:
+    """--missing-only: the problems the existing tuned file (if any) has no table for, in order."""
+    import yaml
+    old = (yaml.safe_load(existing.read_text(encoding="utf-8")) if existing.is_file() else None) or {}
+    have = {_key(t["op"], t.get("problem")) for t in old.get("tables", [])}
+    return [(op, p) for op, p in problems if _key(op, p) not in have]
+
+
+def run_note(day: str, source: str, ts: list[int], keep_above: bool, cut: bool = False, missing_only: bool = False) -> str:
     """This run's entry in the file's `measured` notes; no "; " inside it (the separator of the runs' notes). A run cut
-    by --max-seconds says so: the earlier notes of its source stay, as the tables of the problems it did not reach."""
+    by --max-seconds, or one of the missing problems only, says so: the earlier notes of its source stay, as the
+    tables of the problems it did not time."""
     note = f"{day}, {source}, grid {','.join(map(str, ts))}"
+    if missing_only:
+        note += " (the problems without a table)"
     if keep_above:
         note += (f" (spans up to T = {ts[-1]}, the earlier runs' above)" if ts[0] == 1 else
                  f" (spans T = {ts[0]}..{ts[-1]}, the earlier runs' below and above)")

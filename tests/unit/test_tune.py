@@ -4,9 +4,10 @@ was. (The timing itself needs a GPU: it ran on the H200, see specs/tuned/.)"""
 import pytest
 import torch
 
-from ninfer.cli.tune import (_keep_above, _merge, artifact_problems, build_spans, gpu_slug, model_problems, render, run_note,
-                             tune_within,
-                             splice_spans, write_validated)
+from click.testing import CliRunner
+
+from ninfer.cli.tune import (_keep_above, _merge, artifact_problems, build_spans, gpu_slug, main, missing, model_problems,
+                             render, run_note, splice_spans, tune_within, write_validated)
 from ninfer.codegen.render import build_manifest_and_sources
 from ninfer.codegen.specs import load_specs
 from ninfer.codegen.yamlio import SpecError, load_yaml
@@ -129,6 +130,28 @@ def test_max_seconds_stops_between_problems_and_the_cut_run_keeps_the_earlier_no
                                 "it reached)"]
     f.write_text(render(GPU, "sm_90a", note, tables), encoding="utf-8")   # the cut note's ": " stays a string
     assert load_yaml(f, tmp_path)["measured"] == note
+
+
+def test_missing_only_tunes_the_problems_without_a_table_and_keeps_the_earlier_notes(tmp_path):
+    """--missing-only (the same command again after a cut): the problems the file has no table for, in order; its note
+    says so and, like a cut run, keeps the earlier note of its source; not with --keep-above (the opposite choice)."""
+    problems = [("linear_q4", {"N": n, "K": 2048}) for n in (1024, 4096, 8192)] + [("rms_norm_zc", {"H": 2048})]
+    f = tmp_path / "gpu.yaml"
+    assert missing(f, problems) == problems                       # no file yet: every problem
+    first = "2026-12-05, qwen3.6-35b-a3b q4, grid 1,2,64 (cut by --max-seconds: the problems it reached)"
+    had = [{"op": op, "problem": p, "spans": [{"from": 1, "to": None, "use": "gemv.t1"}]} for op, p in problems[:2]]
+    f.write_text(render(GPU, "sm_90a", first, had), encoding="utf-8")
+    assert missing(f, problems) == problems[2:]
+    source = "qwen3.6-35b-a3b q4"
+    new = [{"op": op, "problem": p, "spans": [{"from": 1, "to": None, "use": "gemv.t8"}]} for op, p in problems[2:]]
+    note = run_note("2026-12-06", source, [1, 2, 64], False, missing_only=True)
+    tables, merged = _merge(f, new, note, source, replaces=False)
+    assert [t["spans"][0]["use"] for t in tables] == ["gemv.t1", "gemv.t1", "gemv.t8", "gemv.t8"]
+    assert merged.split("; ") == [first, "2026-12-06, qwen3.6-35b-a3b q4, grid 1,2,64 (the problems without a table)"]
+    f.write_text(render(GPU, "sm_90a", merged, tables), encoding="utf-8")
+    assert missing(f, problems) == []
+    got = CliRunner().invoke(main, ["--keep-above", "--missing-only", "--grid", "1,2"])
+    assert got.exit_code == 2 and "pick one" in got.output
 
 
 def test_model_problems_are_the_linear_shapes_and_the_norms():
