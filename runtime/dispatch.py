@@ -109,8 +109,10 @@ class Backend:
 
     @contextlib.contextmanager
     def beside(self):
-        """Plans made inside run beside the others, on a second CUDA stream (the MoE shared expert's fork,
-        models/blocks.py): the cuda backend gives them their own workspace. Nothing to do for the reference backend."""
+        """Plans made inside run beside the others, on another CUDA stream (the MoE shared expert's fork,
+        models/blocks.py; a speculative round's commit, verify_graph.py): the cuda backend gives them their own
+        workspace, one for all such plans (the commit's gdn_verify declares none, so it shares nothing with a shared
+        expert running at the same time). Nothing to do for the reference backend."""
         yield
 
     def run(self, op: str, *, route: str | None = None, **args) -> None:

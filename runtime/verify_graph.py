@@ -15,10 +15,17 @@ between them at positions from the device. The final-normed hidden stays in the 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .decode_graph import capture, count_tokens, seed32
-from .models.blocks import Step, commit_round
+from .models.blocks import Step, commit_round, side_stream
+
+# The commit (gdn_verify again over each lane's kept rows: one launch a GDN layer, 48 in a 27B round, latency-bound on
+# few SMs) on a stream of its own beside the MTP layer and the draft steps, which read the target's tokens and hidden
+# but no GDN state; joined at the end of the round. Not yet measured on a GPU: NINFER_SPEC_COMMIT_BESIDE=1 turns it on.
+COMMIT_BESIDE = os.environ.get("NINFER_SPEC_COMMIT_BESIDE", "0") == "1"
 
 # one per row; then per lane the state slot, the number of real drafts and the rows it keeps at most (up to its first
 # draft that is a stop token: the lane ends there), then the [b, width] page table
@@ -98,10 +105,23 @@ class VerifyStep:
         # the commit: each lane's GDN states advanced over the rows it keeps, n + 1 or up to an accepted stop token,
         # and those rows' tokens counted for the penalties (as plain decoding counts each token it picks)
         kept = torch.minimum(n + 1, self.f["stop_at"]).int()
-        commit_round(e.be, keep, self.query_start, self.state_slots, kept)
+        side = side_stream(kept, "commit") if self.mtp and COMMIT_BESIDE else None
+        if side is None:
+            commit_round(e.be, keep, self.query_start, self.state_slots, kept)
+        else:   # fork (keep holds the layers' inputs until the join below)
+            side.wait_stream(torch.cuda.current_stream(kept.device))
+            with torch.cuda.stream(side), e.be.beside():
+                commit_round(e.be, keep, self.query_start, self.state_slots, kept)
         count_tokens(e._counts, f["row_slots"], self.out, (self.row_in_lane < kept.repeat_interleave(L)).int())
-        if not self.mtp:
-            return
+        if self.mtp:
+            self._draft_next(step, n)
+        if side is not None:   # join: the next round reads the committed states
+            torch.cuda.current_stream(kept.device).wait_stream(side)
+
+    def _draft_next(self, step: Step, n: torch.Tensor) -> None:
+        """The next round's drafts: the MTP layer over every row's pair (at the verify step's positions), its output
+        at each lane's last kept row (n: the drafts each lane kept), K argmaxes with K - 1 MTP steps between them."""
+        e, b, L = self.engine, self.b, self.length
         last = e.model.mtp(e.be, self.out, self.normed, step).index_select(0, self.lanes * L + n)
         p = self.f["positions"].view(b, L)[:, 0] + n                 # each lane's last kept row's position
         real = self.f["slot_mapping"].view(b, L)[:, 0] >= 0          # (warm-up and capture write no KV)

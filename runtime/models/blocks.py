@@ -129,13 +129,16 @@ MOE_SHARED_STREAM = os.environ.get("NINFER_MOE_SHARED_STREAM", "1") == "1"
 _SIDE_STREAMS: dict = {}
 
 
-def side_stream(x: torch.Tensor):
-    """The device's second stream for work beside the current stream's, or None (CPU tensors, or turned off)."""
-    if not MOE_SHARED_STREAM or x.device.type != "cuda":
+def side_stream(x: torch.Tensor, use: str = "moe"):
+    """The device's stream for one kind of work beside the current stream's (`use`: "moe", the shared expert;
+    "commit", a speculative round's GDN commit: each its own, so neither waits for the other in stream order), or
+    None (CPU tensors, or the MoE fork turned off)."""
+    if x.device.type != "cuda" or use == "moe" and not MOE_SHARED_STREAM:
         return None
-    if x.device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
-    return _SIDE_STREAMS[x.device]
+    key = (x.device, use)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(x.device)
+    return _SIDE_STREAMS[key]
 
 
 def dequant_scratch_bytes(weights: dict) -> int:

@@ -122,6 +122,33 @@ def test_injected_drafts_accept_and_roll_back(engines, kind, wrong_at):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("wrong_at", [None, 1])
+def test_commit_beside_the_draft_steps(engines, kind, wrong_at, monkeypatch):
+    """The round's GDN commit on its own stream beside the MTP layer and draft steps (verify_graph.COMMIT_BESIDE,
+    a fork and a join inside the captured round): with drafts that hold, and with the rollback of a rejected one, the
+    tokens are plain decoding's (up to near-ties); a commit that raced the next round's reads would part from it."""
+    from ninfer.runtime import verify_graph
+    from ninfer.runtime.engine import Engine
+    from ninfer.runtime.models import blocks
+    from ninfer.runtime.speculative import SpeculativeConfig, drafts_from
+    plain = engines(kind)
+    ps = prompts(seed=5)
+    want = [s.generated for s in plain.generate(ps, max_new=40)]
+    monkeypatch.setattr(verify_graph, "COMMIT_BESIDE", True)
+    spec = Engine(artifact(kind), backend="cuda", max_context=400, max_seqs=4, prefill_chunk=16,
+                  speculative=SpeculativeConfig("mtp", 3))
+    try:
+        with drafts_from({tuple(p): p + w for p, w in zip(ps, want)}, wrong(wrong_at)):
+            got = [s.generated for s in spec.generate(ps, max_new=40)]
+        assert spec.spec.verify[len(ps)].graph is not None and spec.cache.in_use == (0, 0)
+        assert spec.spec.stats["num_accepted_tokens"] > (40 if wrong_at is None else 10)
+    finally:
+        spec.close()
+    assert any(use == "commit" for _, use in blocks._SIDE_STREAMS)   # the round forked onto the commit stream
+    agree_up_to_near_ties(plain, ps, got, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_draft_vocabulary_rounds(engines, kind, monkeypatch):
     """draft_vocab_size 256 (vocab 1024): the captured rounds draft from the lm_head's first 256 rows only (two views
     of its storage, the argmax and the id map inside the graph), and the output is plain decoding's up to near-ties."""

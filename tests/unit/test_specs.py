@@ -270,3 +270,10 @@ def test_codegen_cli_exits_nonzero_with_message(spec_tree, tmp_path):
     assert r.returncode == 1
     assert "routes/add.yaml: tables[0].spans[1]: gap: T=5..5 is covered by no span" in r.stderr
     assert not (tmp_path / "gen").exists()
+
+
+def test_the_speculative_commit_route_needs_no_workspace(spec_tree):
+    """A speculative round's commit (gdn_verify) may run beside a MoE shared expert, both plans beside() the main
+    stream, which share one workspace (runtime/dispatch.py): so no gdn_verify route may declare one."""
+    routes = load_specs(*spec_tree).routes["gdn_verify"]
+    assert routes and all(r.workspace is None and r.pre is None for r in routes.values())
