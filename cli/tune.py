@@ -421,9 +421,7 @@ def tune_within(problems: list, tune_one, max_seconds: float | None, echo, clock
 
 def missing(existing: Path, problems: list) -> list:
     """--missing-only: the problems the existing tuned file (if any) has no table for, in order."""
-    import yaml
-    old = (yaml.safe_load(existing.read_text(encoding="utf-8")) if existing.is_file() else None) or {}
-    have = {_key(t["op"], t.get("problem")) for t in old.get("tables", [])}
+    have = {_key(t["op"], t.get("problem")) for t in _read(existing).get("tables", [])}
     return [(op, p) for op, p in problems if _key(op, p) not in have]
 
 
@@ -440,6 +438,12 @@ def run_note(day: str, source: str, ts: list[int], keep_above: bool, cut: bool =
     return note + (" (cut by --max-seconds: the problems it reached)" if cut else "")
 
 
+def _read(existing: Path) -> dict:
+    """The existing tuned file, parsed ({} where there is none yet)."""
+    import yaml
+    return (yaml.safe_load(existing.read_text(encoding="utf-8")) if existing.is_file() else None) or {}
+
+
 def _key(op: str, problem: dict | None) -> tuple:
     """A table's identity in the tuned file: its op and problem."""
     return op, tuple(sorted((problem or {}).items()))
@@ -448,9 +452,8 @@ def _key(op: str, problem: dict | None) -> tuple:
 def _previous_spans(existing: Path, op: str, problem: dict) -> list[dict]:
     """The existing file's spans of this problem; a problem it has no table for cannot be spliced (--keep-above):
     refused, nothing is written."""
-    import yaml
-    old = (yaml.safe_load(existing.read_text(encoding="utf-8")) if existing.is_file() else None) or {}
-    prev = next((t for t in old.get("tables", []) if _key(t["op"], t.get("problem")) == _key(op, problem)), None)
+    key = _key(op, problem)
+    prev = next((t for t in _read(existing).get("tables", []) if _key(t["op"], t.get("problem")) == key), None)
     if prev is None:
         raise click.UsageError(f"--keep-above: {existing} has no table of {op} {label(problem)} to keep spans from; "
                                f"tune it over a whole grid first (nothing was written)")
@@ -466,9 +469,8 @@ def _keep_above(existing: Path, op: str, problem: dict, spans: list[dict], first
 def _merge(existing: Path, tables: list[dict], note: str, source: str, replaces: bool = True) -> tuple[list[dict], str]:
     """The existing file's tables, each re-tuned one replaced in its place, then this run's new problems; its
     `measured` notes (runs joined by "; ") less those of the same source when this run replaces them (a whole
-    grid; a --keep-above run keeps them: their spans above stay), then this run's."""
-    import yaml
-    old = yaml.safe_load(existing.read_text(encoding="utf-8")) or {}
+    grid; a --keep-above, cut or --missing-only run keeps them: the tables it did not time stay), then this run's."""
+    old = _read(existing)
     new = {_key(t["op"], t["problem"]): t for t in tables}
     merged = [new.pop(_key(t["op"], t.get("problem")), t) for t in old.get("tables", [])]
     notes = [n for n in str(old.get("measured") or "").split("; ") if n and not (replaces and f", {source}, " in n)]
