@@ -3,7 +3,7 @@
 # The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
-#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-cb spec-dv spec-dh" (default: tests bench-27b bench-35b)
+#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-cb spec-wy spec-dv spec-dh" (default: tests bench-27b bench-35b)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
@@ -92,6 +92,12 @@ for stage in $STAGES; do
       for shape in qwen3.6-27b qwen3.6-35b-a3b; do for cb in 0 1; do
         NINFER_SPEC_COMMIT_BESIDE=$cb timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench spec --shape $shape --weights q4 \
           --method mtp ${BENCH_SPEC:---concurrency 1,8} --json "$OUT/spec-cb-$shape-$cb.json" 2>&1 | tee "$OUT/spec-cb-$shape-$cb.log"
+      done; done ;;
+    spec-wy)  # MTP rounds with gdn_verify on its table, then on the WY route (NINFER_ROUTES), 27B and 35B-A3B q4
+      for pair in "qwen3.6-27b wy_cluster.g3" "qwen3.6-35b-a3b wy_cluster.g2"; do set -- $pair; for wy in "" "gdn_verify=$2"; do
+        tag=$([ -n "$wy" ] && echo wy || echo table)
+        NINFER_ROUTES=$wy timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench spec --shape $1 --weights q4 --method mtp \
+          ${BENCH_SPEC:---concurrency 1,8} --json "$OUT/spec-wy-$1-$tag.json" 2>&1 | tee "$OUT/spec-wy-$1-$tag.log"
       done; done ;;
     spec-dh)  # the recipe's formats (q6 lm_head), MTP drafts over the whole head, then over a q4 draft head (--draft-head)
       for shape in qwen3.6-27b qwen3.6-35b-a3b; do for dh in "" "--draft-vocab-size ${DRAFT_VOCAB:-131072} --draft-head"; do

@@ -53,9 +53,10 @@ def route_cases():
     cases = []
     for k in gpu_kernels({"gdn_verify"}):
         for name, (H, hk, r, dk, dv) in SHAPES.items():
-            env = {"H": H, "HK": hk, "R": r, "DK": dk, "DV": dv, "KW": KW}
-            if all(evaluate(c, env) for c in k.constraints):
-                cases += [(k.instance, name, runs) for runs in ((4,), (9, 1, 3))]
+            for runs in ((4,), (9, 1, 3), (4,) * 8, (20, 17)):   # 8 lanes of K = 3; runs past 16 tokens
+                env = {"H": H, "HK": hk, "R": r, "DK": dk, "DV": dv, "KW": KW, "T": sum(runs)}
+                if all(evaluate(c, env) for c in k.constraints):
+                    cases.append((k.instance, name, runs))
     return cases
 
 

@@ -363,3 +363,153 @@ def test_gdn_verify_smem_emulation_matches_the_reference(tile, shape):
         untouched = ts["slots"][k].item()
         assert torch.equal(got["state"][untouched], ts["state"][untouched])
         assert torch.equal(got["conv_state"][untouched], ts["conv_state"][untouched])
+
+
+# ---- gdn_verify's WY routes -----------------------------------------------------------------------------------------
+def emulate_verify_wy(tile: dict, ts: dict, scale: float, eps: float = 1e-6, norm_eps: float = 1e-6) -> dict:
+    """gdn_verify_wy.cu.j2's effect on copies of y, conv_state and state: per block (key head x cluster rank,
+    sequence) and value head, the run in chunks of LT tokens: (A) thread t's conv channels (q/k row t, v column t) and
+    b/a pieces t, t + THREADS, .. as per-warp sums; thread 0's gates (G a running sum); (B) the raw Gram dots (lanes
+    over rows r = lane, lane + 32, ..) and each column's S_0^T k, S_0^T q over rows in batches of RB, 4 rows a step;
+    (C) each column's recurrence over the chunk's tokens (u kept for the run), |o|^2 per warp, y; (D) the commit's
+    coefficients and each column rewritten from S_0, the raw k and u."""
+    G, DKMAX, DVMAX, LT, RB, TMAX, THREADS = (tile[k] for k in ("g", "dk", "dv", "lt", "rb", "tmax", "threads"))
+    WARPS = THREADS // 32
+    (x, qkvz, w_ba, conv_w, A_log, dt_bias, norm_w), (qs, slots, commit), (HK, R, H, DK, DV, HV, C) = launch(ts)
+    assert sum(qs[s + 1] - qs[s] for s in range(len(slots))) <= TMAX
+    conv_state = ts["conv_state"].clone()
+    state = f32(ts["state"]).reshape(-1, HV, DK, DV).copy()
+    y = torch.full(ts["y"].shape, float("nan"), dtype=torch.bfloat16).reshape(-1, HV, DV)
+    vch0 = 2 * HK * DK
+    tid = np.arange(THREADS)
+    colmask = tid < DV
+
+    def warp_partials(v):   # [THREADS] -> [WARPS] (nf::warp_sum, lane 0 writes)
+        return v.reshape(WARPS, 32).sum(1, dtype=np.float32)
+
+    def step(ch, win, t):   # win_step: w[KS] * x, then the window oldest first; the shifted window
+        acc = np.float32(conv_w[ch, KS]) * np.float32(float(qkvz[t, ch]))
+        for k in range(KS):
+            acc = np.float32(acc + conv_w[ch, k] * np.float32(win[k].item()))
+        return silu(acc), torch.cat([win[1:], ts["qkvz"][t, ch:ch + 1]])
+
+    for s in range(len(slots)):
+        t0, n, slot = qs[s], qs[s + 1] - qs[s], slots[s]
+        keep_at = min(max(commit[s], 0), n) - 1
+        for kh in range(HK):
+            qk_ch = [kh * DK + d for d in range(DK)] + [(HK + kh) * DK + d for d in range(DK)]
+            old = {ch: conv_state[slot, ch].clone() for ch in qk_ch}   # read by every block before any write
+            qk_writes = {}
+            for rank in range(G):
+                per = R // G
+                kept = {}
+                for i in range(per):
+                    h = kh * R + rank * per + i
+                    S0 = state[slot, h].copy()                          # read, never written before (D)
+                    win = {ch: old[ch].clone() for ch in qk_ch}
+                    win |= {vch0 + h * DV + j: conv_state[slot, vch0 + h * DV + j].clone() for j in range(DV)}
+                    k_all = np.zeros((TMAX, DKMAX), np.float32)
+                    u_all = np.zeros((TMAX, DVMAX), np.float32)
+                    g_all, rk_all = np.zeros(TMAX, np.float32), np.zeros(TMAX, np.float32)
+                    gsum = np.float32(0)
+                    for c0 in range(0, n, LT):
+                        m = min(LT, n - c0)
+                        q_s = np.zeros((LT, DKMAX), np.float32)
+                        v_s = np.zeros((LT, DVMAX), np.float32)
+                        red = np.zeros((LT, 4, WARPS), np.float32)
+                        for j in range(m):   # (A)
+                            li, t = c0 + j, t0 + c0 + j
+                            qv, kv, vv = (np.zeros(THREADS, np.float32) for _ in range(3))
+                            for d in range(DK):
+                                qv[d], win[kh * DK + d] = step(kh * DK + d, win[kh * DK + d], t)
+                                kv[d], win[(HK + kh) * DK + d] = step((HK + kh) * DK + d, win[(HK + kh) * DK + d], t)
+                            for d in range(DV):
+                                vv[d], win[vch0 + h * DV + d] = step(vch0 + h * DV + d, win[vch0 + h * DV + d], t)
+                            if li == keep_at:
+                                kept |= {ch: w.clone() for ch, w in win.items()}
+                            q_s[j], k_all[li], v_s[j] = qv[:DKMAX], kv[:DKMAX], vv
+                            pb, pa = np.zeros(THREADS, np.float32), np.zeros(THREADS, np.float32)
+                            for th in range(THREADS):
+                                for piece in range(th, H // 8, THREADS):
+                                    sl = slice(8 * piece, 8 * piece + 8)
+                                    pb[th] += np.dot(x[t, sl], w_ba[h, sl])
+                                    pa[th] += np.dot(x[t, sl], w_ba[HV + h, sl])
+                            red[j] = [warp_partials(qv * qv), warp_partials(kv * kv), warp_partials(pb), warp_partials(pa)]
+                        rq_c, beta_c = np.zeros(LT, np.float32), np.zeros(LT, np.float32)
+                        for j in range(m):   # thread 0's gates
+                            sq, sk, b, a = (red[j, k].sum(dtype=np.float32) for k in range(4))
+                            xa = np.float32(a + dt_bias[h])
+                            gsum = np.float32(gsum - np.exp(A_log[h]) * (xa if xa > 20 else np.log1p(np.exp(xa))))
+                            g_all[c0 + j], rk_all[c0 + j] = gsum, np.float32(1 / np.sqrt(sk + eps))
+                            rq_c[j] = np.float32(1 / np.sqrt(sq + eps)) * np.float32(scale)
+                            beta_c[j] = np.float32(1 / (1 + np.exp(-b)))
+                        gram = np.zeros((LT, 2, TMAX), np.float32)   # (B)
+                        for j in range(m):
+                            for ii in range(c0 + j + 1):
+                                gram[j, 0, ii] = np.dot(k_all[ii], k_all[c0 + j])
+                                gram[j, 1, ii] = np.dot(k_all[ii], q_s[j])
+                        pk, pq = np.zeros((LT, THREADS), np.float32), np.zeros((LT, THREADS), np.float32)
+                        for r0 in range(0, min(DKMAX, -(-DK // RB) * RB), RB):
+                            sv = np.zeros((RB, THREADS), np.float32)
+                            for r in range(RB):
+                                if r0 + r < DK:
+                                    sv[r, :DV] = S0[r0 + r]
+                            for j in range(m):
+                                pk[j] += (sv * k_all[c0 + j, r0:r0 + RB, None]).sum(0, dtype=np.float32)
+                                pq[j] += (sv * q_s[j, r0:r0 + RB, None]).sum(0, dtype=np.float32)
+                        ov = np.zeros((LT, THREADS), np.float32)   # (C)
+                        for j in range(m):
+                            tt = c0 + j
+                            gt, rk = g_all[tt], rk_all[tt]
+                            et = np.float32(np.exp(gt))
+                            w = et * rk * pk[j]
+                            o = et * pq[j]
+                            for ii in range(tt):
+                                f = np.float32(np.exp(gt - g_all[ii])) * rk_all[ii] * u_all[ii]
+                                w = w + f * rk * gram[j, 0, ii]
+                                o = o + f * gram[j, 1, ii]
+                            u = np.where(colmask, beta_c[j] * (v_s[j] - w), 0).astype(np.float32)
+                            o = o + rk * u * gram[j, 1, tt]
+                            u_all[tt] = u
+                            ov[j] = o * rq_c[j]
+                        for j in range(m):   # y
+                            oss = warp_partials(ov[j] * ov[j]).sum(dtype=np.float32)
+                            rstd = np.float32(1 / np.sqrt(oss / DV + norm_eps))
+                            t = t0 + c0 + j
+                            for col in range(DV):
+                                zz = np.float32(float(qkvz[t, C + h * DV + col]))
+                                y[t, h, col] = float(norm_w[col] * ov[j, col] * rstd * silu(zz))
+                    if keep_at >= 0:   # (D)
+                        gn = g_all[keep_at]
+                        dco = np.exp(gn - g_all[:keep_at + 1]).astype(np.float32) * rk_all[:keep_at + 1]
+                        new = np.float32(np.exp(gn)) * S0
+                        for ii in range(keep_at + 1):
+                            new = new + np.outer(k_all[ii, :DK], dco[ii] * u_all[ii, :DV])
+                        state[slot, h] = new
+                        for j in range(DV):
+                            conv_state[slot, vch0 + h * DV + j] = kept[vch0 + h * DV + j]
+                if keep_at >= 0 and rank == 0:   # (G > 1: after the cluster barrier, when every block has read)
+                    qk_writes = {ch: kept[ch] for ch in qk_ch}
+            for ch, v in qk_writes.items():
+                conv_state[slot, ch] = v
+    return {"y": y.reshape(ts["y"].shape), "conv_state": conv_state,
+            "state": torch.from_numpy(state).reshape(ts["state"].shape)}
+
+
+WY_CASES = [("wy.g1", (64, 2, 2, 32, 28)), ("wy_cluster.g2", (64, 2, 2, 40, 32)), ("wy_cluster.g3", (48, 1, 3, 24, 16)),
+            ("wy_cluster.g3l8t64", (48, 1, 3, 16, 20)), ("wy_cluster.g3r32", (48, 1, 3, 40, 16)),
+            ("wy_cluster.g3r64", (48, 1, 3, 72, 12))]
+
+
+@pytest.mark.parametrize("tile,shape", WY_CASES, ids=[c[0] for c in WY_CASES])
+def test_gdn_verify_wy_emulation_matches_the_reference(tile, shape):
+    """Runs of 1, 9 (chunks of 4 or 8 and a remainder) and 3 tokens and an empty run, committing 1, 7 (a later chunk's
+    token) and 0 (nothing written); DK not a multiple of the row batch, DV below 128."""
+    H, hk, r, dk, dv = shape
+    ts = inputs(H, hk, r, dk, dv, [1, 9, 3, 0], [1, 7, 0, 0], seed=len(tile) + 7)
+    got = check_against_reference("gdn_verify", emulate_verify_wy(tiles("gdn_verify")[tile], ts, dk ** -0.5), ts,
+                                  dk ** -0.5, tile)
+    for k in (2, 3):   # commit 0, and the empty run: their states as they were
+        untouched = ts["slots"][k].item()
+        assert torch.equal(got["state"][untouched], ts["state"][untouched])
+        assert torch.equal(got["conv_state"][untouched], ts["conv_state"][untouched])
