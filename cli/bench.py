@@ -41,12 +41,15 @@ CASES = [
     ("embedding", {"V": 248320, "H": 5120}, [1, 4096]),
     ("linear_q4", {"N": 17408, "K": 5120}, [1, 2, 4, 8, 9, 16, 64, 512, 4096]),
     ("linear_q4", {"N": 5120, "K": 17408}, [1, 8, 16, 4096]),
-    ("linear_q4", {"N": 34816, "K": 5120}, [8, 16]),
+    ("linear_q4", {"N": 34816, "K": 5120}, [8, 16, 32, 64]),
+    # a verify step of 8 lanes of K = 3 (T = 32): the GDN in_qkvz projection and the MLP's fused SwiGLU
+    ("linear_q4", {"N": 16384, "K": 5120}, [16, 32]),
+    ("linear_swiglu_q4", {"I": 17408, "K": 5120}, [16, 32]),
     # prefill with the codes decoded inside the wgmma GEMM (against dequant_q4 + linear / linear_swiglu above)
     ("linear_q4", {"N": 6144, "K": 5120}, [4096]),
     ("linear_q4", {"N": 34816, "K": 5120}, [4096]),
     ("linear_swiglu_q4", {"I": 17408, "K": 5120}, [4096]),
-    ("linear_q4", {"N": 248320, "K": 5120}, [1]),
+    ("linear_q4", {"N": 248320, "K": 5120}, [1, 32]),
     *((f"linear_{f}", {"N": 17408, "K": 5120}, [1, 4096]) for f in ("q5", "q6", "w8", "fp8")),
     # FP8 weights on FP8 tensor cores (W8A8): the activations' per-token codes, then the E4M3 GEMM at the 27B MLP
     # shapes (against dequant_fp8 + linear, the bf16 path, and linear_fp8's mma.sync route above)

@@ -17,7 +17,7 @@ import yaml
 from ninfer.runtime import formats
 
 ROOT = Path(__file__).resolve().parents[2]
-TS = [1, 127, 128, 129, 255, 256, 257, 300]
+TS = [1, 16, 17, 32, 33, 64, 65, 127, 128, 129, 255, 256, 257, 300]   # the 16-, 32-, 64- and 256-token tiles' edges
 
 
 def wgmma_tiles(op: str) -> list[str]:
