@@ -69,8 +69,14 @@ def check(be, op: str, tile: str, w: torch.Tensor, T: int, dims: dict, seed: int
 @pytest.mark.gpu
 @pytest.mark.parametrize("op,tile", [(f"linear_{f}", t) for f in ("q4", "q5", "q6") for t in wgmma_tiles(f"linear_{f}")])
 def test_linear_every_wgmma_tile(be, op, tile):
+    """Every shape the tile's constraints admit: K of 1..7 units of 512 (split-K tiles: uneven shares of them)."""
+    from ninfer.runtime.manifest import evaluate
+    kernel = be.manifest.kernel(be.device.arch, op, tile, "bf16")
+    shapes = [(N, K) for N, K in [(128, 512), (384, 1024), (640, 1536), (256, 2048), (384, 3584)]
+              if all(evaluate(c, {"N": N, "K": K, "T": 1}) for c in kernel.constraints)]
+    assert len(shapes) >= 2
     bad = []
-    for N, K in [(128, 512), (384, 1024), (640, 1536)]:
+    for N, K in shapes:
         w = packed(N, K, seed=N + K, fmt=op.rsplit("_", 1)[1])
         for T in TS:
             bad += check(be, op, tile, w, T, {"N": N, "K": K}, seed=T * 7 + N)
