@@ -40,7 +40,8 @@ CASES = [
     ("sigmoid_mul", {"N": 6144}, [1, 4096]),
     ("embedding", {"V": 248320, "H": 5120}, [1, 4096]),
     ("linear_q4", {"N": 17408, "K": 5120}, [1, 2, 4, 8, 9, 16, 64, 512, 4096]),
-    ("linear_q4", {"N": 5120, "K": 17408}, [1, 8, 16, 4096]),
+    ("linear_q4", {"N": 5120, "K": 17408}, [1, 8, 16, 32, 4096]),
+    ("linear_q4", {"N": 5120, "K": 6144}, [32]),
     ("linear_q4", {"N": 34816, "K": 5120}, [8, 16, 32, 64]),
     # a verify step of 8 lanes of K = 3 (T = 32): the GDN in_qkvz projection and the MLP's fused SwiGLU
     ("linear_q4", {"N": 16384, "K": 5120}, [16, 32]),
