@@ -449,7 +449,7 @@ def emulate_verify_wy(tile: dict, ts: dict, scale: float, eps: float = 1e-6, nor
                                 gram[j, 0, ii] = np.dot(k_all[ii], k_all[c0 + j])
                                 gram[j, 1, ii] = np.dot(k_all[ii], q_s[j])
                         pk, pq = np.zeros((LT, THREADS), np.float32), np.zeros((LT, THREADS), np.float32)
-                        for r0 in range(0, min(DKMAX, -(-DK // RB) * RB), RB):
+                        for r0 in range(0, DKMAX, RB):   # every batch (rows past DK zero)
                             sv = np.zeros((RB, THREADS), np.float32)
                             for r in range(RB):
                                 if r0 + r < DK:
@@ -497,8 +497,7 @@ def emulate_verify_wy(tile: dict, ts: dict, scale: float, eps: float = 1e-6, nor
 
 
 WY_CASES = [("wy.g1", (64, 2, 2, 32, 28)), ("wy_cluster.g2", (64, 2, 2, 40, 32)), ("wy_cluster.g3", (48, 1, 3, 24, 16)),
-            ("wy_cluster.g3l8t64", (48, 1, 3, 16, 20)), ("wy_cluster.g3r32", (48, 1, 3, 40, 16)),
-            ("wy_cluster.g3r64", (48, 1, 3, 72, 12))]
+            ("wy_cluster.g3l8t64", (48, 1, 3, 16, 20)), ("wy_cluster.g3r32", (48, 1, 3, 72, 12))]
 
 
 @pytest.mark.parametrize("tile,shape", WY_CASES, ids=[c[0] for c in WY_CASES])
