@@ -58,6 +58,21 @@ def launch(ts: dict):
             tuple(ts[k].tolist() for k in ("query_start", "slots", "commit")), (HK, R, H, DK, DV, HV, C))
 
 
+def fresh_outputs(ts: dict, HV: int, DK: int, DV: int):
+    """The emulations' copies: the conv state (raw bf16 values: moved, never rounded), the fp32 state [NS, HV, DK,
+    DV], and y [T, HV, DV] full of NaN (so a value never written shows)."""
+    return (ts["conv_state"].clone(), f32(ts["state"]).reshape(-1, HV, DK, DV).copy(),
+            torch.full(ts["y"].shape, float("nan"), dtype=torch.bfloat16).reshape(-1, HV, DV))
+
+
+def conv_step(ts: dict, conv_w, qkvz, ch: int, win: torch.Tensor, t: int):
+    """win_step: silu(w[KS] * x + the window's taps, oldest first), and the window shifted by x (raw bf16)."""
+    acc = np.float32(conv_w[ch, KS]) * np.float32(float(qkvz[t, ch]))
+    for k in range(KS):
+        acc = np.float32(acc + conv_w[ch, k] * np.float32(win[k].item()))
+    return silu(acc), torch.cat([win[1:], ts["qkvz"][t, ch:ch + 1]])
+
+
 def emulate(tile: dict, ts: dict, scale: float, eps: float = 1e-6, norm_eps: float = 1e-6) -> dict:
     """The kernel's effect on copies of y, conv_state and state."""
     G, DKMAX, DVMAX, LT, THREADS = tile["g"], tile["dk"], tile["dv"], tile["lt"], tile["threads"]
@@ -66,9 +81,7 @@ def emulate(tile: dict, ts: dict, scale: float, eps: float = 1e-6, norm_eps: flo
     RG = 32 // CQ
     NR = DKMAX // RG
     (x, qkvz, w_ba, conv_w, A_log, dt_bias, norm_w), (qs, slots, commit), (HK, R, H, DK, DV, HV, C) = launch(ts)
-    conv_state = ts["conv_state"].clone()                            # raw bf16 values: moved, never rounded
-    state = f32(ts["state"]).reshape(-1, HV, DK, DV).copy()
-    y = torch.full(ts["y"].shape, float("nan"), dtype=torch.bfloat16).reshape(-1, HV, DV)
+    conv_state, state, y = fresh_outputs(ts, HV, DK, DV)
     tid = np.arange(THREADS)
     warp, lane = tid >> 5, tid & 31
     cq, rg = lane % CQ, lane // CQ
@@ -268,18 +281,13 @@ def emulate_verify_smem(tile: dict, ts: dict, scale: float, eps: float = 1e-6, n
     RPW = DKMAX // WARPS
     (x, qkvz, w_ba, conv_w, A_log, dt_bias, norm_w), (qs, slots, commit), (HK, R, H, DK, DV, HV, C) = launch(ts)
     dv4 = DV // 4
-    conv_state = ts["conv_state"].clone()
-    state = f32(ts["state"]).reshape(-1, HV, DK, DV).copy()
-    y = torch.full(ts["y"].shape, float("nan"), dtype=torch.bfloat16).reshape(-1, HV, DV)
+    conv_state, state, y = fresh_outputs(ts, HV, DK, DV)
     vch0 = 2 * HK * DK
     col_lanes = np.nonzero(np.arange(32) < dv4)[0]
     cols = {lane: 4 * lane + np.arange(4) for lane in col_lanes}
 
-    def step(ch, win, t):   # win_step: w[KS] * x, then the window oldest first; the shifted window
-        acc = np.float32(conv_w[ch, KS]) * np.float32(float(qkvz[t, ch]))
-        for k in range(KS):
-            acc = np.float32(acc + conv_w[ch, k] * np.float32(win[k].item()))
-        return silu(acc), torch.cat([win[1:], ts["qkvz"][t, ch:ch + 1]])
+    def step(ch, win, t):
+        return conv_step(ts, conv_w, qkvz, ch, win, t)
 
     for s in range(len(slots)):
         t0, n, slot = qs[s], qs[s + 1] - qs[s], slots[s]
@@ -377,9 +385,7 @@ def emulate_verify_wy(tile: dict, ts: dict, scale: float, eps: float = 1e-6, nor
     WARPS = THREADS // 32
     (x, qkvz, w_ba, conv_w, A_log, dt_bias, norm_w), (qs, slots, commit), (HK, R, H, DK, DV, HV, C) = launch(ts)
     assert max(qs[s + 1] - qs[s] for s in range(len(slots))) <= TMAX   # a run's raw k and u fit (gdn_verify: T <= tmax)
-    conv_state = ts["conv_state"].clone()
-    state = f32(ts["state"]).reshape(-1, HV, DK, DV).copy()
-    y = torch.full(ts["y"].shape, float("nan"), dtype=torch.bfloat16).reshape(-1, HV, DV)
+    conv_state, state, y = fresh_outputs(ts, HV, DK, DV)
     vch0 = 2 * HK * DK
     tid = np.arange(THREADS)
     colmask = tid < DV
@@ -387,11 +393,8 @@ def emulate_verify_wy(tile: dict, ts: dict, scale: float, eps: float = 1e-6, nor
     def warp_partials(v):   # [THREADS] -> [WARPS] (nf::warp_sum, lane 0 writes)
         return v.reshape(WARPS, 32).sum(1, dtype=np.float32)
 
-    def step(ch, win, t):   # win_step: w[KS] * x, then the window oldest first; the shifted window
-        acc = np.float32(conv_w[ch, KS]) * np.float32(float(qkvz[t, ch]))
-        for k in range(KS):
-            acc = np.float32(acc + conv_w[ch, k] * np.float32(win[k].item()))
-        return silu(acc), torch.cat([win[1:], ts["qkvz"][t, ch:ch + 1]])
+    def step(ch, win, t):
+        return conv_step(ts, conv_w, qkvz, ch, win, t)
 
     for s in range(len(slots)):
         t0, n, slot = qs[s], qs[s + 1] - qs[s], slots[s]
