@@ -233,18 +233,27 @@ def admits(kernel, dims: dict) -> bool:
     return all(evaluate(c, dims) for c in kernel.constraints)
 
 
+def candidates(instances: list[str], chosen: str, routes: tuple[str, ...]) -> list[str]:
+    """The instances timed at a T, the table's own choice first (the skip rule's yardstick); with --route patterns
+    only those matching one, besides the table's choice (the baseline a new route has to beat)."""
+    import fnmatch
+    keep = [i for i in instances if i == chosen or not routes or any(fnmatch.fnmatch(i, r) for r in routes)]
+    return sorted(keep, key=lambda i: (i != chosen, i))
+
+
 def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = False, extra=lambda t: {},
-            bounded: bool = False) -> list[str]:
+            bounded: bool = False, routes: tuple[str, ...] = ()) -> list[str]:
     """The fastest instance at each grid T among those admitting the whole span it would own (verbose: echo
     every instance's time); extra(T): the dims the inputs need beyond T and the problem (step_dims). bounded
-    (--keep-above): the last grid T's span ends there, not at infinity."""
+    (--keep-above): the last grid T's span ends there, not at infinity. routes: candidates() patterns."""
     import torch
 
     from ninfer.cli.bench import _time, _time_graph
     from ninfer.cli.bench_inputs import footprint, make_inputs, timing_sets
     from ninfer.runtime.contracts import bind
     contract = be.contract(op)
-    kernels = [k for k in be.manifest.kernels.values() if k.op == op and k.arch == be.device.arch and k.dtype == "bf16"]
+    kernels = {k.instance: k for k in be.manifest.kernels.values()
+               if k.op == op and k.arch == be.device.arch and k.dtype == "bf16"}
     rng = torch.Generator(device="cuda")
     rng.manual_seed(0)
     winners = []
@@ -258,9 +267,9 @@ def measure(be, op: str, problem: dict, grid, reps: int, echo, verbose: bool = F
         nbytes = footprint(base)
         best = None
         chosen = be.select(op, "bf16", dims).instance   # timed first: the skip rule then has a good yardstick
-        for k in sorted(kernels, key=lambda k: k.instance != chosen):
-            if not (admits(k, dims) and admits(k, {**dims, "T": last})):
-                continue
+        fits = [i for i in kernels if admits(kernels[i], dims) and admits(kernels[i], {**dims, "T": last})]
+        # (--route leaving no instance that admits the span, e.g. the table's own stops inside it: all of them)
+        for k in (kernels[i] for i in candidates(fits, chosen, routes) or candidates(fits, chosen, ())):
             plans = [be.plan(op, route=k.instance, **s, **params) for s in sets]
             if best is not None and _time(torch, plans[0], 1, warmup=1) > SKIP_FACTOR * best[0]:
                 if verbose:
@@ -335,13 +344,17 @@ def write_validated(specs_dir: Path, templates: Path, name: str, text: str) -> P
               help="replace only the spans up to the grid's largest T, keeping the previous table's spans above it "
                    "(e.g. re-tune the decode spans with --grid 1,2,3,4,5,8), and below its smallest where it starts "
                    "above 1 (--grid 17,32,64: the verify steps of several lanes)")
+@click.option("--route", "routes", multiple=True, metavar="PATTERN",
+              help="time only route instances matching this pattern (repeatable, e.g. 'wgmma_rs*'), besides the one the "
+                   "current table picks at each T: a quick re-tune over new routes")
 @click.option("--max-seconds", type=click.FloatRange(min=0), default=None,
               help="start no problem after this many seconds; write the problems finished (a run under a time limit)")
 @click.option("--missing-only", is_flag=True,
               help="tune only the problems this GPU's tuned file has no table for (run a cut command again to finish it)")
 @click.option("--specs", "specs_dir", type=click.Path(file_okay=False), default=None,
               help="spec tree to write tuned/<gpu>.yaml into (default: the repository's specs/)")
-def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, max_seconds, missing_only, specs_dir) -> None:
+def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, routes, max_seconds, missing_only,
+         specs_dir) -> None:
     """Time every route of every linear, expert, norm, router, GDN and attention problem of a model on this GPU;
     write specs/tuned/<gpu>.yaml."""
     from ninfer.runtime.cuda import gpu_available
@@ -366,6 +379,8 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, max_s
         source, problems = f"{shape} {fmt}", model_problems(shape, fmt)
     if ops:   # a run of some ops replaces only the note of a run of the same ops
         source += f" ({', '.join(ops)})"
+    if routes:
+        source += f" (routes {', '.join(routes)} and each table's own)"
     everything = problems
     if absent := sorted({op for op, _ in problems if not be.has_op(op)}):   # e.g. the _fp8 ops before sm_89
         click.echo(f"# not on this GPU ({be.device.arch}), not tuned: {', '.join(absent)}", err=True)
@@ -389,7 +404,7 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, max_s
     def tune_one(op, problem):
         grid_t = list(OP_GRIDS.get(op, ts))
         winners = measure(be, op, problem, grid_t, reps, lambda m: click.echo(m, err=True), verbose,
-                          extra=lambda t: step_dims(op, t, problem, everything), bounded=keep_above)
+                          extra=lambda t: step_dims(op, t, problem, everything), bounded=keep_above, routes=routes)
         spans = build_spans(grid_t, winners, window=keep_above)
         if keep_above:
             spans = _keep_above(existing, op, problem, spans, grid_t[0], grid_t[-1])

@@ -6,8 +6,8 @@ import torch
 
 from click.testing import CliRunner
 
-from ninfer.cli.tune import (_keep_above, _merge, artifact_problems, build_spans, gpu_slug, main, missing, model_problems,
-                             render, run_note, splice_spans, tune_within, write_validated)
+from ninfer.cli.tune import (_keep_above, _merge, artifact_problems, build_spans, candidates, gpu_slug, main, missing,
+                             model_problems, render, run_note, splice_spans, tune_within, write_validated)
 from ninfer.codegen.render import build_manifest_and_sources
 from ninfer.codegen.specs import load_specs
 from ninfer.codegen.yamlio import SpecError, load_yaml
@@ -152,6 +152,19 @@ def test_missing_only_tunes_the_problems_without_a_table_and_keeps_the_earlier_n
     assert missing(f, problems) == []
     got = CliRunner().invoke(main, ["--keep-above", "--missing-only", "--grid", "1,2"])
     assert got.exit_code == 2 and "pick one" in got.output
+
+
+def test_route_patterns_keep_the_tables_choice_as_the_baseline():
+    """--route: only the matching instances are timed, and the table's own choice at that T always, first (the skip
+    rule's yardstick); without patterns every instance, the table's choice first."""
+    inst = ["gemv.t1", "gemv_batch_s8.t32c16m2s4u1", "wgmma_rs.n128t32s8c2", "wgmma_rs_splitk.n128t32s8c2k3",
+            "mma.m64n128k64s4"]
+    assert candidates(inst, "gemv_batch_s8.t32c16m2s4u1", ("wgmma_rs*",)) == [
+        "gemv_batch_s8.t32c16m2s4u1", "wgmma_rs.n128t32s8c2", "wgmma_rs_splitk.n128t32s8c2k3"]
+    assert candidates(inst, "mma.m64n128k64s4", ("*splitk*", "gemv.t1")) == [
+        "mma.m64n128k64s4", "gemv.t1", "wgmma_rs_splitk.n128t32s8c2k3"]
+    assert candidates(inst, "gemv.t1", ()) == ["gemv.t1", *sorted(i for i in inst if i != "gemv.t1")]
+    assert candidates(inst, "gemv.t1", ("nothing*",)) == ["gemv.t1"]
 
 
 def test_model_problems_are_the_linear_shapes_and_the_norms():
