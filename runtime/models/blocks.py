@@ -96,6 +96,10 @@ ATTN_SPLIT_MAX_KS = _env_tokens("NINFER_ATTN_SPLIT_MAX_KS", 32) or 32
 # epilogue (linear_swiglu), where the backend has it: the [T, 2I] projection is neither rounded nor written and
 # read back. Below it, and without the op, the projection then silu_and_mul. NINFER_SWIGLU_MIN_T: A/B runs.
 SWIGLU_MIN_T = _env_tokens("NINFER_SWIGLU_MIN_T", DEQUANT_MIN_T)
+# Below it the fused op runs only where its table sends T to a route sized for decode and verify batches: the GEMVs and
+# wgmma_rs_decode (wgmma_rs's 256-token tiles in a table's upper spans are prefill tiles: at a decode step they would
+# pad the tokens to 256; there the projection's own decode route runs, then silu_and_mul).
+DECODE_FUSED_ROUTES = ("gemv", "wgmma_rs_decode")
 
 
 # Attention of a verify step (Step.run > 1) as paged_attention_verify: a block takes up to 16 // G of a lane's tokens
@@ -418,8 +422,9 @@ class DenseMLP:
         gu = self.gate_up
         if isinstance(gu, PackedWeight):
             op, dims = f"linear_swiglu_{gu.fmt}", dict(I=gu.matrix[0] // 2, K=gu.matrix[1], T=T)
-            # prefill: a route that decodes inside the GEMM; decode: where the table sends T to a GEMV route
-            one_op = takes_packed(be, op, **dims) if fused else (be.resolved_route(op, **dims) or "").startswith("gemv")
+            # prefill: a route that decodes inside the GEMM; decode: where the table sends T to a decode-sized route
+            one_op = (takes_packed(be, op, **dims) if fused else
+                      (be.resolved_route(op, **dims) or "").startswith(DECODE_FUSED_ROUTES))
             if one_op:
                 act = new(x, T, gu.matrix[0] // 2)        # decoded inside the GEMM, the activation in its epilogue
                 be.run(op, x=x, w=gu.data, y=act)

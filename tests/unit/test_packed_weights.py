@@ -115,6 +115,27 @@ def test_prefill_mlp_fuses_the_swiglu_up_projection(monkeypatch):
     assert calls == ["linear_q4", "silu_and_mul", "linear_q4"]
 
 
+@pytest.mark.parametrize("route,fused", [("gemv_batch_s8", True), ("wgmma_rs_decode", True), ("wgmma_rs", False)])
+def test_decode_mlp_fuses_the_swiglu_only_on_decode_sized_routes(route, fused):
+    """Below SWIGLU_MIN_T the MLP runs linear_swiglu_q4 where its table sends T to a GEMV or wgmma_rs_decode route;
+    on wgmma_rs (256-token prefill tiles) the projection's own decode route, then silu_and_mul."""
+    from ninfer.runtime.models import blocks
+    calls = []
+
+    class Tabled(recording(calls)):
+        def resolved_route(self, op, **dims):
+            return route if op == "linear_swiglu_q4" else None
+    g = torch.Generator().manual_seed(4)
+    mlp = blocks.DenseMLP({"mlp.gate_up": random_packed("q4", (256, 512), "cpu", g, 0.05),
+                           "mlp.down": random_packed("q4", (512, 128), "cpu", g, 0.05)}, "mlp.")
+    x = torch.randn(32, 512, generator=g)
+    assert 32 < blocks.SWIGLU_MIN_T
+    y = mlp(Tabled(), x)
+    assert calls == (["linear_swiglu_q4", "linear_q4"] if fused else ["linear_q4", "silu_and_mul", "linear_q4"])
+    calls.clear()
+    assert torch.allclose(y, mlp(recording(calls)(), x), rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_reads_packed_weights_where_the_route_decodes_them(monkeypatch):
     """Where the backend's route for a packed op decodes inside its GEMM (takes_packed: linear_q4 and
     linear_swiglu_q4 on wgmma_rs), the model runs those ops on the packed matrices instead of dequant_q4 + the
