@@ -26,6 +26,15 @@ def wgmma_tiles(op: str) -> list[str]:
     return sorted(f"{r['name']}.{t}" for r in spec["routes"] if r["name"].startswith("wgmma_rs") for t in r["tiles"])
 
 
+def admitted(be, op: str, tile: str, names: str, shapes: list[tuple]) -> list[tuple]:
+    """The shapes (dims `names`, e.g. "NK") whose every constraint of the tile holds; at least two of them."""
+    from ninfer.runtime.manifest import evaluate
+    kernel = be.manifest.kernel(be.device.arch, op, tile, "bf16")
+    ok = [s for s in shapes if all(evaluate(c, {**dict(zip(names, s)), "T": 1}) for c in kernel.constraints)]
+    assert len(ok) >= 2, f"{op} {tile}: its constraints admit {ok} of {shapes}"
+    return ok
+
+
 def packed(n: int, k: int, seed: int, fmt: str = "q4") -> torch.Tensor:
     rng = np.random.default_rng(seed)
     return torch.from_numpy(formats.encode(fmt, (rng.standard_normal((n, k)) * 0.05).astype(np.float32))).cuda()
@@ -70,11 +79,7 @@ def check(be, op: str, tile: str, w: torch.Tensor, T: int, dims: dict, seed: int
 @pytest.mark.parametrize("op,tile", [(f"linear_{f}", t) for f in ("q4", "q5", "q6") for t in wgmma_tiles(f"linear_{f}")])
 def test_linear_every_wgmma_tile(be, op, tile):
     """Every shape the tile's constraints admit: K of 1..7 units of 512 (split-K tiles: uneven shares of them)."""
-    from ninfer.runtime.manifest import evaluate
-    kernel = be.manifest.kernel(be.device.arch, op, tile, "bf16")
-    shapes = [(N, K) for N, K in [(128, 512), (384, 1024), (640, 1536), (256, 2048), (384, 3584)]
-              if all(evaluate(c, {"N": N, "K": K, "T": 1}) for c in kernel.constraints)]
-    assert len(shapes) >= 2
+    shapes = admitted(be, op, tile, "NK", [(128, 512), (384, 1024), (640, 1536), (256, 2048), (384, 3584)])
     bad = []
     for N, K in shapes:
         w = packed(N, K, seed=N + K, fmt=op.rsplit("_", 1)[1])
@@ -86,8 +91,10 @@ def test_linear_every_wgmma_tile(be, op, tile):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", wgmma_tiles("linear_swiglu_q4"))
 def test_linear_swiglu_q4_every_wgmma_tile(be, tile):
+    """Every shape the tile's constraints admit (split-K tiles: K of 2 units and more)."""
+    shapes = admitted(be, "linear_swiglu_q4", tile, "IK", [(128, 512), (384, 1024), (256, 1536)])
     bad = []
-    for I, K in [(128, 512), (384, 1024)]:
+    for I, K in shapes:
         w = packed(2 * I, K, seed=I + K)
         for T in TS:
             bad += check(be, "linear_swiglu_q4", tile, w, T, {"I": I, "K": K}, seed=T * 5 + I)
