@@ -113,3 +113,29 @@ def test_fragments_hold_dequant_values(fmt, swiglu):
             want = dense[n0:n0 + 128]
         assert not np.isnan(got).any(), "every weight of the block is placed by exactly one fragment"
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("units,ks", [(1, 1), (10, 2), (12, 3), (34, 3), (34, 4), (7, 4)])
+def test_split_k_shares_and_their_scales(units, ks):
+    """wgmma_rs_splitk: rank r of ks takes the k-tiles [8 (units r / ks), 8 (units (r + 1) / ks)) (K = 512 units);
+    together the ranks take every k-tile once, each at least one unit, and the consumers' scale pipeline (sc from
+    the rank's first group, scn the next 8 groups loaded one step ahead, half j of sc for k-tile k8 + j) hands every
+    k-tile its own group's scale."""
+    K = 512 * units
+    scales = np.arange(K // 64, dtype=np.float16) + 1          # one fp16 scale a k-tile (64-wide group) of a row
+    row = scales.tobytes()
+    seen = []
+    for rank in range(ks):
+        kb, ke = 8 * (units * rank // ks), 8 * (units * (rank + 1) // ks)
+        assert ke - kb >= 8 and (ke - kb) % 8 == 0
+        load = lambda off: np.frombuffer(row[off:off + 16], np.float16)   # noqa: E731 (a uint4 of 8 halves)
+        sc, scn = load(2 * kb), None
+        for k8 in range(kb, ke, 8):
+            if k8 > kb:
+                sc = scn
+            if k8 + 8 < ke:
+                scn = load(2 * (k8 + 8))
+            for j in range(8):
+                assert sc[j] == scales[k8 + j]
+                seen.append(k8 + j)
+    assert sorted(seen) == list(range(K // 64))
