@@ -1,5 +1,6 @@
 """CPU emulation of the A fragments of the `wgmma_rs` routes (linear_q4 / q5 / q6, linear_swiglu_q4;
-codegen/templates/linear_wgmma_rs.cu.j2), so their index math is checked where there is no GPU.
+codegen/templates/linear_wgmma_rs.cu.j2), and of the split-K ranks' shares and scale pipeline, so their index math
+is checked where there is no GPU.
 
 For every consumer thread of a block and every k-tile it mirrors the template line by line: which code row of the
 TMA slot it reads (and for q5 / q6 which high-bit bytes of the second box), where its scale row is in the packed
