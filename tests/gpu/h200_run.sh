@@ -4,7 +4,7 @@
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
 #   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-cb spec-wy spec-dv spec-dh" (default: tests bench-27b bench-35b)
-#   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all)
+#   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_JOBS (files at a time, default 1), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
 ROOT=$(pwd)
@@ -16,13 +16,17 @@ STAGES=${STAGES:-tests bench-27b bench-35b}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; $PY -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda.bindings', cuda.bindings.__version__)"; } 2>&1 | tee "$OUT/env.log"
 $PY -m ninfer.codegen 2>&1 | tee "$OUT/generate.log"
 $PY -m ninfer.runtime.build --archs sm_90a 2>&1 | tail -2 | tee "$OUT/build.log"
-run_tests() {  # each file in its own process: a faulting kernel must not hide the other results
-  for f in ${TESTS:-tests/gpu/test_*_gpu.py}; do
-    name=$(basename "$f" .py)
-    timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -m gpu "$f" -p no:cacheprovider --maxfail=30 --timeout=300 --timeout-method=thread ${TEST_K:+-k "$TEST_K"} \
-      > "$OUT/$name.log" 2>&1
-    echo "$name: $(tail -1 "$OUT/$name.log")"
-  done | tee "$OUT/tests-summary.log"
+test_file() {
+  name=$(basename "$1" .py)
+  timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -m gpu "$1" -p no:cacheprovider --maxfail=30 --timeout=300 --timeout-method=thread ${TEST_K:+-k "$TEST_K"} \
+    > "$OUT/$name.log" 2>&1
+  echo "$name: $(tail -1 "$OUT/$name.log")"
+}
+run_tests() {  # each file in its own process (a faulting kernel must not hide the other results), TEST_JOBS at a time
+  { for f in ${TESTS:-tests/gpu/test_*_gpu.py}; do
+      test_file "$f" &
+      while [ $(jobs -rp | wc -l) -ge ${TEST_JOBS:-1} ]; do wait -n; done
+    done; wait; } | tee "$OUT/tests-summary.log"
 }
 for stage in $STAGES; do
   case $stage in
