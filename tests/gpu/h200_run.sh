@@ -2,7 +2,8 @@
 # One device call on the lent H200: GPU tests and benchmarks, logs under $OUT.
 # The GPU box has Python 3.12, its own packages and no index, so ninfer goes on the path through a
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
-# needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call.
+# needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call; the cubins may travel packed
+# (a tenth of the bytes, under the carry limit beside the oracle): tar czf .carry/cubins.tgz -C build/cubins sm_90a
 #   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-cb spec-wy spec-dv spec-dh" (default: tests bench-27b bench-35b)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_JOBS (files at a time, default 1), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all)
 set -uo pipefail
@@ -14,6 +15,7 @@ export PYTHONPATH=/tmp/ninfer-ns:$ROOT PYTHONUNBUFFERED=1 NINFER_ORACLE_DIR=$ROO
 PY=${PY:-python3}
 STAGES=${STAGES:-tests bench-27b bench-35b}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; $PY -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda.bindings', cuda.bindings.__version__)"; } 2>&1 | tee "$OUT/env.log"
+[ -f .carry/cubins.tgz ] && mkdir -p build/cubins && tar xzf .carry/cubins.tgz -C build/cubins
 $PY -m ninfer.codegen 2>&1 | tee "$OUT/generate.log"
 $PY -m ninfer.runtime.build --archs sm_90a 2>&1 | tail -2 | tee "$OUT/build.log"
 test_file() {
