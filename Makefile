@@ -6,7 +6,7 @@ PY ?= $(VENV)/bin/python
 ARCHS ?=
 JOBS ?= 0
 
-.PHONY: setup generate build test gpu-test bench serve clean
+.PHONY: setup generate build test gpu-test gpu-carry bench serve clean
 
 # A venv with the pinned toolchain (requirements.txt) and ninfer installed editable; re-run only when the pins change.
 setup: $(VENV)/.ninfer-setup
@@ -30,6 +30,14 @@ test: setup generate
 
 gpu-test: generate
 	$(PY) -m pytest -q -m gpu tests/gpu
+
+# What a device call carries (tests/gpu/h200_run.sh unpacks it): the sm_90a cubins, built afresh (no stale ones)
+# and packed, and the GPU tests' oracle fixtures. carry: [".carry/cubins.tgz", ".carry/oracle"]
+gpu-carry: setup generate
+	rm -rf build/cubins/sm_90a
+	$(PY) -m ninfer.runtime.build --archs sm_90a --jobs $(JOBS)
+	$(PY) tests/gpu/make_oracle.py .carry/oracle
+	tar czf .carry/cubins.tgz -C build/cubins sm_90a
 
 bench: build
 	$(PY) -m ninfer.cli.bench ops
