@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ninfer.runtime.reference_quant import unpack
+from ninfer.runtime.formats import get_format
 from ninfer.runtime.weights import random_packed
 from tests.mma_emulation import bf16_bits
 
@@ -41,10 +42,31 @@ def decode_hx2(x: int, hb: int, s: float, high: int) -> int:
     return int(bf16_bits(flo)) | int(bf16_bits(fhi)) << 16
 
 
-def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, high: int = 0, bn: int = 128) -> np.ndarray:
+def random_scales(pw, rows: int, K: int, seed: int):
+    """random_packed gives every group one scale: draw each (row, group) its own, so a fragment that takes another
+    row's or group's scale is caught."""
+    g = torch.Generator().manual_seed(seed)
+    for st in get_format(pw.fmt).tile_stacks(rows, K):
+        sc = st.planes(pw.data)[-1]
+        sc[:] = (torch.rand(sc.numel() // 2, generator=g) * 0.02 + 1e-3).half().view(torch.uint8).view(sc.shape)
+    return pw
+
+
+def decode_q4x2_codes(w: int, sel: int, bias: int = 0x43084308) -> int:
+    """The template's decode_q4x2_codes (late-scale tiles): PRMT byte sel & 3 of w alone, times 0x1001, masked and
+    XORed with bias, each bf16 half minus 136 (exact: the result is a small integer) -> bf16 pair bits."""
+    t = (w >> (8 * (sel & 3))) & 0xFF                     # __byte_perm(w, 0, 0x4440 | q)
+    v = (((t * 0x1001) & 0xFFFFFFFF) & 0x000F000F) ^ bias
+    halves = [np.array([(v >> (16 * e) & 0xFFFF) << 16], np.uint32).view(F32)[0] - F32(136) for e in range(2)]
+    return int(bf16_bits(halves[0])) | int(bf16_bits(halves[1])) << 16
+
+
+def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, high: int = 0, bn: int = 128,
+                          late: bool = False) -> np.ndarray:
     """The bf16 weights each consumer thread of one block feeds wgmma, placed by the A-fragment layout:
     [bn A rows, K] float32 (swiglu: in each 16-row warp slice 8 gate rows, then their up rows). high: 0 (q4),
-    1 (q5), 2 (q6)."""
+    1 (q5), 2 (q6). late (q4's late-scale tiles): the fragments hold the bare codes and each k-tile's sum is scaled
+    in fp32 afterwards, so the weight placed is the code times the scale in fp32."""
     planes = 64 + 16 * high
     tile_bytes, rows_total = (planes + 4) * K, (2 * N if swiglu else N)
     out = np.full((bn, K), np.nan, np.float32)
@@ -67,6 +89,7 @@ def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, high:
                 for lane in range(32):
                     g, q = lane >> 2, lane & 3
                     frag = np.zeros((4, 4), np.uint32)   # [k16 step][a0..a3]
+                    row_scale = [F32(1), F32(1)]          # late: the scale each A row's k-tile sum is multiplied by
                     arow = c * 64 + wi * 16 + g   # the thread's A rows: arow (h = 0) and arow + 8 (h = 1)
                     # their code rows in the slot; swiglu: a gate row and its up row (64 slot rows further)
                     lrows = [64 * h + 32 * c + 8 * wi + g if swiglu else arow + 8 * h for h in range(2)]
@@ -74,11 +97,15 @@ def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, high:
                         n = h * N + n0 + 32 * c + 8 * wi + g if swiglu else n0 + lrow
                         srow = (n >> 7) * tile_bytes + planes * K + (n & 127) * (K // 32)
                         s = F32(np.frombuffer(w[srow + 2 * kt:srow + 2 * kt + 2], np.float16)[0])
+                        if late:
+                            row_scale[h] = s
                         words = np.frombuffer(bytes(slot[lrow * 32:lrow * 32 + 32]), "<u4")
                         hw = np.frombuffer(bytes(hslot[lrow * 16:lrow * 16 + 16]), "<u4").astype(np.int64)
                         for m in range(8):
                             x = int(words[m]) >> (8 * q)
-                            if high == 0:
+                            if late:
+                                pair = decode_q4x2_codes(int(words[m]), 0x4440 | q)
+                            elif high == 0:
                                 pair = decode_q4x2((x ^ 0x88) & 0xFF, s)
                             elif high == 1:   # bits 2q, 2q+1 of byte m of this k-tile's half of the box
                                 hq = [int(hw[2 * (kt & 1)]) >> (2 * q), int(hw[2 * (kt & 1) + 1]) >> (2 * q)]
@@ -93,7 +120,7 @@ def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, high:
                             pair = frag[kk, a]
                             for e in range(2):
                                 bits = np.array([(int(pair) >> (16 * e) & 0xFFFF) << 16], np.uint32)
-                                out[arow + dr, kt * 64 + 16 * kk + 2 * q + dc + e] = bits.view(F32)[0]
+                                out[arow + dr, kt * 64 + 16 * kk + 2 * q + dc + e] = bits.view(F32)[0] * row_scale[dr // 8]
     return out
 
 
@@ -101,7 +128,7 @@ def emulate_block_weights(w: bytes, N: int, K: int, n0: int, swiglu: bool, high:
 def test_fragments_hold_dequant_values(fmt, swiglu):
     N, K = 256, 512
     rows = 2 * N if swiglu else N
-    pw = random_packed(fmt, (rows, K), "cpu", torch.Generator().manual_seed(3), 0.05)
+    pw = random_scales(random_packed(fmt, (rows, K), "cpu", torch.Generator().manual_seed(3), 0.05), rows, K, 4)
     dense = unpack(fmt, pw.data, rows, K).to(torch.bfloat16).float().numpy()   # dequant_<fmt>'s values
     w = pw.data.numpy().tobytes()
     bn_out = 64 if swiglu else 128
@@ -113,6 +140,31 @@ def test_fragments_hold_dequant_values(fmt, swiglu):
         else:
             want = dense[n0:n0 + 128]
         assert not np.isnan(got).any(), "every weight of the block is placed by exactly one fragment"
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_late_scale_fragments_hold_the_codes(swiglu):
+    """The late-scale tiles (tile ls): each A fragment pair is the two bare codes, exact in bf16, and the k-tile's
+    scale applied to the row's sum in fp32 gives the exact fp32 s * code (no bf16 rounding of the weight)."""
+    N, K = 256, 512
+    rows = 2 * N if swiglu else N
+    pw = random_scales(random_packed("q4", (rows, K), "cpu", torch.Generator().manual_seed(5), 0.05), rows, K, 6)
+    exact = unpack("q4", pw.data, rows, K).numpy()   # fp32 s * code: exact (a 4-bit code times an fp16 scale)
+    w = pw.data.numpy().tobytes()
+    for u in range(256):   # every byte, at every position: the pair is (low nibble, high nibble) as signed codes
+        for q in range(4):
+            pair = decode_q4x2_codes(u << (8 * q) | (0xA5 << (8 * ((q + 1) % 4))), 0x4440 | q)
+            lo, hi = [np.array([(pair >> (16 * e) & 0xFFFF) << 16], np.uint32).view(F32)[0] for e in range(2)]
+            assert (lo, hi) == (((u & 0xF) ^ 8) - 8, ((u >> 4) ^ 8) - 8)
+    bn_out = 64 if swiglu else 128
+    for n0 in (0, N - bn_out):
+        got = emulate_block_weights(w, N, K, n0, swiglu, late=True)
+        if swiglu:
+            rows_of = [h * N + n0 + 32 * c + 8 * wi + g for c in range(2) for wi in range(4) for h in range(2) for g in range(8)]
+            want = exact[rows_of]
+        else:
+            want = exact[n0:n0 + 128]
         np.testing.assert_array_equal(got, want)
 
 
