@@ -192,3 +192,37 @@ def test_split_k_shares_and_their_scales(units, ks):
                 assert sc[j] == scales[k8 + j]
                 seen.append(k8 + j)
     assert sorted(seen) == list(range(K // 64))
+
+
+@pytest.mark.parametrize("units,ks,kg", [(1, 1, 2), (10, 1, 2), (34, 1, 2), (12, 3, 1), (7, 1, 1)])
+def test_consumer_k_groups_pipeline(units, ks, kg):
+    """The late-scale k-loop as each consumer runs it (tile kg: KG groups take alternate k-tiles): the first decode
+    kb + kg with scale half kg of sc; per scale group k8 the k-tiles j = jj KG + kg; after each wgmma the next decode
+    kt + KG, with half j + KG of sc inside the group, half kg of scn (the next group's) past it. Every k-tile of a
+    rank is decoded once, with its own group's scale, by the group whose ring slots it lands in (STAGES = 8)."""
+    K, stages = 512 * units, 8
+    scales = np.arange(K // 64, dtype=np.float16) + 1
+    row = scales.tobytes()
+    load = lambda off: np.frombuffer(row[off:off + 16], np.float16)   # noqa: E731 (a uint4 of 8 halves)
+    seen = []
+    for rank in range(ks):
+        kb, ke = 8 * (units * rank // ks), 8 * (units * (rank + 1) // ks)
+        for g in range(kg):
+            decoded = {kb + g: load(2 * kb)[g]}               # decode(kb + kg, kg, sc, 0)
+            sc, scn = load(2 * kb), None
+            mma = []
+            for k8 in range(kb, ke, 8):
+                if k8 > kb:
+                    sc = scn
+                if k8 + 8 < ke:
+                    scn = load(2 * (k8 + 8))
+                for jj in range(8 // kg):
+                    j = jj * kg + g
+                    kt = k8 + j
+                    mma.append(kt)
+                    assert decoded[kt] == scales[kt], "a k-tile's fragments carry its own group's scale"
+                    assert ((kt - kb) % stages) % kg == g, "the slot a k-tile lands in is its group's"
+                    if kt + kg < ke:
+                        decoded[kt + kg] = sc[j + kg] if jj < 8 // kg - 1 else scn[g]
+            seen += mma
+    assert sorted(seen) == list(range(K // 64))
