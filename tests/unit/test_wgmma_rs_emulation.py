@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from ninfer.runtime.reference_quant import unpack
 from ninfer.runtime.formats import get_format
+from ninfer.runtime.reference_quant import unpack
 from ninfer.runtime.weights import random_packed
 from tests.mma_emulation import bf16_bits
 
