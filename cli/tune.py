@@ -12,7 +12,8 @@ measurement is done and the new file passed validation, so an interrupted run le
 --max-seconds stops a run between problems instead and writes the problems it finished (the others keep their tables).
 --missing-only tunes only the problems the GPU's file has no table for: the same command again finishes a cut run.
 --keep-above re-tunes only the spans up to the grid's largest T (the decode batch sizes, say) and keeps the previous
-table's spans above it; with a grid from above 1 (--grid 17,32,64) also those below its first T.
+table's spans above it; with a grid from above 1 (--grid 17,32,64) also those below its first T. For a problem this
+GPU's file has no table for, the previous table is the generated default's (what runs on this GPU until then).
 """
 from __future__ import annotations
 
@@ -398,16 +399,15 @@ def main(artifact, shape, fmt, ops, only, grid, reps, verbose, keep_above, route
             click.echo(f"ninfer-tune: {existing} has a table for every problem of {source}; nothing to tune", err=True)
             return
     click.echo(f"# ninfer-tune on {gpu} ({arch}): {len(problems)} problems x {len(ts)} T values", err=True)
-    if keep_above:   # refuse a problem with no previous table before timing anything
-        for op, problem in problems:
-            _previous_spans(existing, op, problem)
+    def default_spans(op, problem):   # what runs for a problem the GPU's file has no table for: the generated table
+        return [{"from": lo, "to": hi, "use": use} for lo, hi, use in be.manifest.table(arch, op, "bf16", problem)]
     def tune_one(op, problem):
         grid_t = list(OP_GRIDS.get(op, ts))
         winners = measure(be, op, problem, grid_t, reps, lambda m: click.echo(m, err=True), verbose,
                           extra=lambda t: step_dims(op, t, problem, everything), bounded=keep_above, routes=routes)
         spans = build_spans(grid_t, winners, window=keep_above)
         if keep_above:
-            spans = _keep_above(existing, op, problem, spans, grid_t[0], grid_t[-1])
+            spans = _keep_above(existing, op, problem, spans, grid_t[0], grid_t[-1], default_spans)
         return {"op": op, "problem": problem, "spans": spans}
 
     tables = tune_within(problems, tune_one, max_seconds, lambda m: click.echo(m, err=True))
@@ -464,21 +464,24 @@ def _key(op: str, problem: dict | None) -> tuple:
     return op, tuple(sorted((problem or {}).items()))
 
 
-def _previous_spans(existing: Path, op: str, problem: dict) -> list[dict]:
-    """The existing file's spans of this problem; a problem it has no table for cannot be spliced (--keep-above):
-    refused, nothing is written."""
+def _previous_spans(existing: Path, op: str, problem: dict, default=None) -> list[dict]:
+    """The existing file's spans of this problem, else default(op, problem); with no default such a problem cannot
+    be spliced (--keep-above): refused, nothing is written."""
     key = _key(op, problem)
     prev = next((t for t in _read(existing).get("tables", []) if _key(t["op"], t.get("problem")) == key), None)
-    if prev is None:
+    if prev is not None:
+        return prev["spans"]
+    if default is None:
         raise click.UsageError(f"--keep-above: {existing} has no table of {op} {label(problem)} to keep spans from; "
                                f"tune it over a whole grid first (nothing was written)")
-    return prev["spans"]
+    return default(op, problem)
 
 
-def _keep_above(existing: Path, op: str, problem: dict, spans: list[dict], first: int, last: int) -> list[dict]:
-    """--keep-above: the existing table's spans of the same problem below `first` (a grid from above 1) and above
-    `last`, the new ones between."""
-    return splice_spans(spans, _previous_spans(existing, op, problem), last, first)
+def _keep_above(existing: Path, op: str, problem: dict, spans: list[dict], first: int, last: int,
+                default=None) -> list[dict]:
+    """--keep-above: the previous spans of the same problem (the existing file's, else default(op, problem)) below
+    `first` (a grid from above 1) and above `last`, the new ones between."""
+    return splice_spans(spans, _previous_spans(existing, op, problem, default), last, first)
 
 
 def _merge(existing: Path, tables: list[dict], note: str, source: str, replaces: bool = True) -> tuple[list[dict], str]:

@@ -28,7 +28,8 @@ def test_spans_cover_every_t_once_and_merge_neighbours():
 
 def test_keep_above_splices_the_decode_spans_onto_the_previous_table(tmp_path):
     """--keep-above with a grid ending at 8: the new winners own T = 1..8 (the last one stops at 8), the previous
-    table owns 9..; equal neighbours merge, every T is covered once; a problem with no previous table is refused."""
+    table owns 9..; equal neighbours merge, every T is covered once; a problem with no previous table takes the
+    default's spans (the generated table's, in ninfer-tune), or without a default is refused."""
     old = [{"from": 1, "to": 4, "use": "gemv.t4"}, {"from": 5, "to": 16, "use": "gemv_batch.t16"},
            {"from": 17, "to": None, "use": "mma.m64"}]
     new = build_spans([1, 2, 3, 4, 5, 8], ["x1", "x1", "x4", "x4", "x8", "gemv_batch.t16"])
@@ -44,6 +45,12 @@ def test_keep_above_splices_the_decode_spans_onto_the_previous_table(tmp_path):
     import click
     with pytest.raises(click.UsageError, match="no table of linear_q4 5120x5120"):
         _keep_above(f, "linear_q4", {"N": 5120, "K": 5120}, new, 1, 8)
+    default = [{"from": 1, "to": 1, "use": "gemv.t1"}, {"from": 2, "to": None, "use": "wgmma.m64"}]
+    asked = []
+    got = _keep_above(f, "linear_q4", {"N": 5120, "K": 5120}, new, 1, 8, lambda op, p: asked.append((op, p)) or default)
+    assert asked == [("linear_q4", {"N": 5120, "K": 5120})]
+    assert got[-2:] == [{"from": 8, "to": 8, "use": "gemv_batch.t16"}, {"from": 9, "to": None, "use": "wgmma.m64"}]
+    assert _keep_above(f, "linear_q4", PROBLEM, new, 1, 8, lambda op, p: default)[-1]["use"] == "mma.m64"   # file first
 
 
 def test_keep_above_with_a_grid_from_above_one_keeps_the_spans_below_it_too(tmp_path):
