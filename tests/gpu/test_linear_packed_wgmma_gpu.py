@@ -35,13 +35,6 @@ def admitted(be, op: str, tile: str, names: str, shapes: list[tuple]) -> list[tu
     return ok
 
 
-def late_scales(op: str, tile: str) -> bool:
-    """Whether the `route.tile` instance scales each k-tile's sum (tile ls): its weights are fp32 s * code, unrounded."""
-    spec = yaml.safe_load((ROOT / "specs" / "routes" / f"{op}.yaml").read_text())
-    route, name = tile.split(".", 1)
-    return bool(next(r for r in spec["routes"] if r["name"] == route)["tiles"][name].get("ls", 0))
-
-
 def packed(n: int, k: int, seed: int, fmt: str = "q4") -> torch.Tensor:
     rng = np.random.default_rng(seed)
     return torch.from_numpy(formats.encode(fmt, (rng.standard_normal((n, k)) * 0.05).astype(np.float32))).cuda()
@@ -78,7 +71,7 @@ def check(be, op: str, tile: str, w: torch.Tensor, T: int, dims: dict, seed: int
     # one bf16 rounding apart (2^-8 relative), and cancellation near 0: from dequant_<fmt>'s bf16 weights + the dense
     # GEMM, or for late-scale tiles (weights s * code in fp32, never rounded) from the fp32 product with those weights
     other, what = ydense, "dequant + dense GEMM"
-    if late_scales(op, tile):
+    if plan.kernel.tile_params.get("ls", 0):   # a late-scale tile
         from ninfer.runtime.reference_quant import unpack
         yf = x.float() @ unpack(op.rsplit("_", 1)[1], w, rows, K).T
         other, what = (yf[:, :cols] * torch.sigmoid(yf[:, :cols]) * yf[:, cols:] if swiglu else yf), "the fp32 product"
