@@ -168,6 +168,14 @@ def test_late_scale_fragments_hold_the_codes(swiglu):
         np.testing.assert_array_equal(got, want)
 
 
+def scale_row(K: int):
+    """One row's fp16 scales, a distinct one a k-tile (64-wide group), and the consumers' uint4 load of 8 of them
+    at a byte offset."""
+    scales = np.arange(K // 64, dtype=np.float16) + 1
+    row = scales.tobytes()
+    return scales, lambda off: np.frombuffer(row[off:off + 16], np.float16)
+
+
 @pytest.mark.parametrize("units,ks", [(1, 1), (10, 2), (12, 3), (34, 3), (34, 4), (7, 4)])
 def test_split_k_shares_and_their_scales(units, ks):
     """wgmma_rs_splitk: rank r of ks takes the k-tiles [8 (units r / ks), 8 (units (r + 1) / ks)) (K = 512 units);
@@ -175,13 +183,11 @@ def test_split_k_shares_and_their_scales(units, ks):
     the rank's first group, scn the next 8 groups loaded one step ahead, half j of sc for k-tile k8 + j) hands every
     k-tile its own group's scale."""
     K = 512 * units
-    scales = np.arange(K // 64, dtype=np.float16) + 1          # one fp16 scale a k-tile (64-wide group) of a row
-    row = scales.tobytes()
+    scales, load = scale_row(K)
     seen = []
     for rank in range(ks):
         kb, ke = 8 * (units * rank // ks), 8 * (units * (rank + 1) // ks)
         assert ke - kb >= 8 and (ke - kb) % 8 == 0
-        load = lambda off: np.frombuffer(row[off:off + 16], np.float16)   # noqa: E731 (a uint4 of 8 halves)
         sc, scn = load(2 * kb), None
         for k8 in range(kb, ke, 8):
             if k8 > kb:
@@ -201,16 +207,13 @@ def test_consumer_k_groups_pipeline(units, ks, kg):
     kt + KG, with half j + KG of sc inside the group, half kg of scn (the next group's) past it. Every k-tile of a
     rank is decoded once, with its own group's scale, by the group whose ring slots it lands in (STAGES = 8)."""
     K, stages = 512 * units, 8
-    scales = np.arange(K // 64, dtype=np.float16) + 1
-    row = scales.tobytes()
-    load = lambda off: np.frombuffer(row[off:off + 16], np.float16)   # noqa: E731 (a uint4 of 8 halves)
+    scales, load = scale_row(K)
     seen = []
     for rank in range(ks):
         kb, ke = 8 * (units * rank // ks), 8 * (units * (rank + 1) // ks)
         for g in range(kg):
             decoded = {kb + g: load(2 * kb)[g]}               # decode(kb + kg, kg, sc, 0)
             sc, scn = load(2 * kb), None
-            mma = []
             for k8 in range(kb, ke, 8):
                 if k8 > kb:
                     sc = scn
@@ -219,10 +222,9 @@ def test_consumer_k_groups_pipeline(units, ks, kg):
                 for jj in range(8 // kg):
                     j = jj * kg + g
                     kt = k8 + j
-                    mma.append(kt)
+                    seen.append(kt)
                     assert decoded[kt] == scales[kt], "a k-tile's fragments carry its own group's scale"
                     assert ((kt - kb) % stages) % kg == g, "the slot a k-tile lands in is its group's"
                     if kt + kg < ke:
                         decoded[kt + kg] = sc[j + kg] if jj < 8 // kg - 1 else scn[g]
-            seen += mma
     assert sorted(seen) == list(range(K // 64))
