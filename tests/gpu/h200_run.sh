@@ -94,8 +94,8 @@ for stage in $STAGES; do
         timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench spec --shape $shape --weights q4 --method mtp \
           --draft-vocab-size ${DRAFT_VOCAB:-131072} ${BENCH_SPEC:---concurrency 1,8} --json "$OUT/spec-dv-$shape.json" 2>&1 | tee "$OUT/spec-dv-$shape.log"
       done ;;
-    spec-cb)  # MTP rounds with the GDN commit in line, then beside the draft steps (NINFER_SPEC_COMMIT_BESIDE), 27B and 35B-A3B q4
-      for shape in qwen3.6-27b qwen3.6-35b-a3b; do for cb in 0 1; do
+    spec-cb)  # MTP rounds with the GDN commit in line, then beside the draft steps (NINFER_SPEC_COMMIT_BESIDE), SPEC_SHAPES q4
+      for shape in ${SPEC_SHAPES:-qwen3.6-27b qwen3.6-35b-a3b}; do for cb in 0 1; do
         NINFER_SPEC_COMMIT_BESIDE=$cb timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench spec --shape $shape --weights q4 \
           --method mtp ${BENCH_SPEC:---concurrency 1,8} --json "$OUT/spec-cb-$shape-$cb.json" 2>&1 | tee "$OUT/spec-cb-$shape-$cb.log"
       done; done ;;
