@@ -92,7 +92,6 @@ CASES = [
     # routing: the GEMV routes at decode, wgmma from a few tokens on
     ("moe_router", {"E": 256, "H": 2048}, [1, 2, 4, 8, 64, 1024, 2048, 4096]),
     ("moe_topk", {"E": 256, "K": 8}, [1, 8]),
-    ("moe_router_topk", {"E": 256, "H": 2048, "K": 8}, [1, 2, 8]),   # the two above in one launch
     # token selection over the Qwen vocabulary rows: argmax, and the sampler greedy / Qwen-style / every id kept
     ("argmax", {"V": 248320}, [1, 8]),
     *(("sample", {"V": 248320, "sampling": mode}, [1, 8]) for mode in ("greedy", "qwen", "pure")),

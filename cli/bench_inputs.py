@@ -104,10 +104,6 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         return _make_moe(torch, contract, op, dims, rng)
     if op == "linear_fp8_w8a8":
         return _make_w8a8(torch, dims, rng)
-    if op == "moe_router_topk":   # the generic tensors, and its counters (a state: zero on entry, left zero)
-        ts = make_inputs(torch, contract, dtype, dims, rng)
-        ts["counters"] = torch.zeros(dims["T"], dtype=torch.int32, device=rng.device)
-        return ts
     if op == "quant_fp8_per_token":
         T, K, dev = dims["T"], dims["K"], rng.device
         return {"x": torch.randn(T, K, device=dev, generator=rng).bfloat16(),

@@ -313,11 +313,6 @@ def moe_topk(logits, renormalize, dims):
     return {"weights": w, "ids": order.to(torch.int32)}
 
 
-def moe_router_topk(x, w, counters, renormalize, dims):
-    logits = moe_router(x, w)["logits"]
-    return {"logits": logits, **moe_topk(logits, renormalize, dims), "counters": counters}
-
-
 def moe_experts(x, gate_up, down, weights, ids):
     inter = down.shape[2]
     y = torch.zeros_like(x)
@@ -423,5 +418,5 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
 REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, sigmoid_gate_add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
                                       linear_swiglu, attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split, paged_attention_verify,
                                       kv_cache_write_fp8, paged_attention_fp8, paged_attention_split_fp8, merge_attn_states, gdn_conv, gdn_gates,
-                                      gdn_delta_rule, gdn_gated_norm, gdn_decode, gdn_verify, moe_router, moe_topk, moe_router_topk, moe_experts, moe_align, moe_sum,
+                                      gdn_delta_rule, gdn_gated_norm, gdn_decode, gdn_verify, moe_router, moe_topk, moe_experts, moe_align, moe_sum,
                                       sigmoid_gate_add, argmax, sample)}

@@ -68,16 +68,11 @@ def _env_tokens(name: str, default: int | None) -> int | None:
 # NINFER_MOE_SPLIT_MAX_T / NINFER_MOE_GROUPED_MIN_T override them (a token count or "off"; A/B runs).
 MOE_SPLIT_MAX_T = _env_tokens("NINFER_MOE_SPLIT_MAX_T", 64) or 0
 MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", 65)
-# Routing up to MOE_ROUTER_TOPK_MAX_T tokens is one launch (moe_router_topk: the router's last warp of a token group
-# runs the top-k) instead of moe_router + moe_topk; its top-k runs the group's tokens one after another, hence decode
-# sizes only. Written after the last GPU call (PERF_NOTES.md, session 26): off until it has run on a GPU;
-# NINFER_MOE_ROUTER_TOPK_MAX_T=2 turns it on (A/B runs).
-MOE_ROUTER_TOPK_MAX_T = _env_tokens("NINFER_MOE_ROUTER_TOPK_MAX_T", None) or 0
 # A MoE block returns its routed sum and gated shared expert unsummed (GatedSum) and the residual add-norm after it
 # sums them (sigmoid_gate_add_rms_norm_zc: one launch a layer fewer than sigmoid_gate_add + add_rms_norm_zc, the
-# same bf16 results). Written after the last GPU call (PERF_NOTES.md, session 26): off until it has run on a GPU;
-# NINFER_MOE_GATE_ADD_NORM=1 turns it on (A/B runs).
-MOE_GATE_ADD_NORM = os.environ.get("NINFER_MOE_GATE_ADD_NORM", "0") == "1"
+# same bf16 results). H200, 35B-A3B q4 (PERF_NOTES.md, session 36): C = 1 step 2.41 -> 2.38 ms, C = 8 4.25 -> 4.21.
+# NINFER_MOE_GATE_ADD_NORM=0 turns it off (A/B runs).
+MOE_GATE_ADD_NORM = os.environ.get("NINFER_MOE_GATE_ADD_NORM", "1") == "1"
 
 
 # Attention of steps up to ATTN_SPLIT_MAX_T tokens (decode batches) as flash decoding: paged_attention_split cuts each
@@ -449,7 +444,6 @@ class SparseMoE:
         self.router, self.gate_up, self.down = w[p + "router"], w[p + "experts.gate_up"], w[p + "experts.down"]
         self.shared = DenseMLP(w, p + "shared.")
         self.shared_gate = w[p + "shared.gate"]
-        self.counters = None   # moe_router_topk's, made on first use on the activations' device
         if isinstance(self.gate_up, PackedWeight) != isinstance(self.down, PackedWeight):
             raise ValueError(f"{p}experts: gate_up and down must both be packed or both float formats")
 
@@ -459,7 +453,8 @@ class SparseMoE:
         logits = new(x, T, self.router.shape[0], dtype=torch.float32)  # fp32: bf16 logits flip near-tie top-k
         weights = new(x, T, c.experts_per_token, dtype=torch.float32)
         ids = new(x, T, c.experts_per_token, dtype=torch.int32)
-        self.route(be, x, logits, weights, ids)
+        be.run("moe_router", x=x, w=self.router, logits=logits)
+        be.run("moe_topk", logits=logits, weights=weights, ids=ids, renormalize=int(c.renormalize_topk))
         side = side_stream(x)
         if side is not None:   # fork: the shared expert runs beside the routed experts (joined before the sum)
             side.wait_stream(torch.cuda.current_stream(x.device))
@@ -476,19 +471,6 @@ class SparseMoE:
             torch.cuda.current_stream(x.device).wait_stream(side)
         out = GatedSum(y, shared, g)
         return out if MOE_GATE_ADD_NORM else out.sum(be)
-
-    def route(self, be, x, logits, weights, ids):
-        """Router logits, then each token's top-k experts (weights, ids): one launch for decode sizes where the
-        backend has it (MOE_ROUTER_TOPK_MAX_T), else the two ops."""
-        T, (E, H), K, renorm = x.shape[0], self.router.shape, self.cfg.experts_per_token, int(self.cfg.renormalize_topk)
-        if T <= MOE_ROUTER_TOPK_MAX_T and be.admits("moe_router_topk", T=T, E=E, H=H, K=K):
-            if self.counters is None or self.counters.device != x.device:   # zero; each call leaves them zero
-                self.counters = torch.zeros(MOE_ROUTER_TOPK_MAX_T, dtype=torch.int32, device=x.device)
-            be.run("moe_router_topk", x=x, w=self.router, counters=self.counters, logits=logits, weights=weights,
-                   ids=ids, renormalize=renorm)
-        else:
-            be.run("moe_router", x=x, w=self.router, logits=logits)
-            be.run("moe_topk", logits=logits, weights=weights, ids=ids, renormalize=renorm)
 
     def packed_experts(self, be, x, weights, ids, y):
         """The routed experts over packed weights: split in two launches over every SM for decode, grouped by

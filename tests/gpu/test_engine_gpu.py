@@ -45,8 +45,7 @@ def margin_ok_prefix(logits: torch.Tensor, n_prompt: int, atol: float) -> int:
 
 
 class Routing:
-    """A backend proxy that records every moe_topk / moe_router_topk result (weights, ids), or replays a recording
-    into them.
+    """A backend proxy that records every moe_topk result (weights, ids), or replays a recording into them.
 
     Top-k routing is discontinuous: on random tiny MoE models about 2 % of (token, layer) choices sit within
     bf16 noise of a tie, and one flipped expert moves the logits far beyond any bf16 tolerance (transformers
@@ -63,7 +62,7 @@ class Routing:
 
     def run(self, op, **args):
         self.inner.run(op, **args)
-        if op not in ("moe_topk", "moe_router_topk"):   # the routing ops' outputs: weights, ids
+        if op != "moe_topk":
             return
         if self.replay is None:
             self.log.append((args["weights"].cpu().clone(), args["ids"].cpu().clone()))

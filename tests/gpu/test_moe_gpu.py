@@ -1,4 +1,4 @@
-"""The MoE ops on the GPU (moe_router, moe_topk, moe_router_topk, moe_experts, sigmoid_gate_add and its fusion with
+"""The MoE ops on the GPU (moe_router, moe_topk, moe_experts, sigmoid_gate_add and its fusion with
 the add-norm after it) against the reference backend run on cloned GPU tensors (fp32 math), with each contract's
 named tolerance; route tables at every span boundary, every
 route instance called by name, the Qwen3.6-35B-A3B / Qwen3-Next / tiny shapes, ties, repeated experts, aliasing,
@@ -178,85 +178,6 @@ def test_topk_every_route(be, ref):
                 if admissible(be, "moe_topk", inst, {"T": T, "E": E, "K": K}):
                     logits = torch.randn(T, E, device="cuda", generator=gen(7 * T + E))
                     assert topk_case(be, ref, T, E, K, 1, logits, route=inst) == inst
-
-
-# --------------------------------------------------------------------------------------------- moe_router_topk
-def router_topk_case(be, ref, T, E, H, K, renormalize, seed, route=None, counters=None):
-    """The fused op against moe_router's reference (logits) and moe_topk's reference run on the logits the op
-    stored (ids exactly: a reordered fp32 sum may move a near-tie); the counters are left zero."""
-    g = gen(seed)
-    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(E, H, device="cuda", generator=g) * H ** -0.5 * 3).bfloat16()
-    logits, wts, ids = nan_like((T, E), torch.float32), nan_like((T, K), torch.float32), nan_like((T, K), torch.int32)
-    counters = torch.zeros(T + 3, dtype=torch.int32, device="cuda") if counters is None else counters
-    plan = be.plan("moe_router_topk", route=route, x=x, w=w, counters=counters, logits=logits, weights=wts, ids=ids,
-                   renormalize=renormalize)
-    plan()
-    torch.cuda.synchronize()
-    what = f"moe_router_topk T={T} E={E} H={H} K={K} renorm={renormalize} via {plan.kernel.instance}"
-    rl = nan_like((T, E), torch.float32)
-    ref.run("moe_router", x=x.clone(), w=w.clone(), logits=rl)
-    check_outputs(be, "moe_router", {"logits": logits}, {"logits": rl}, what)
-    rw, rids = nan_like((T, K), torch.float32), nan_like((T, K), torch.int32)
-    ref.run("moe_topk", logits=logits.clone(), weights=rw, ids=rids, renormalize=renormalize)
-    check_outputs(be, "moe_topk", {"weights": wts, "ids": ids}, {"weights": rw, "ids": rids}, what)
-    assert not counters.any(), f"{what}: counters left at {counters.nonzero().flatten().tolist()}"
-    return plan.kernel.instance
-
-
-ROUTER_TOPK_SHAPES = [(256, 2048, 8), (512, 2048, 10), (8, 256, 2), (10, 72, 3), (40, 64, 32)]
-
-
-@pytest.mark.parametrize("E,H,K", ROUTER_TOPK_SHAPES)
-def test_router_topk_table(be, ref, E, H, K):
-    """Span boundaries, one token group (T <= 8) and several (each its own counter), both renormalisations."""
-    for T in sorted({*span_ts(be, "moe_router_topk", {"E": E, "H": H, "K": K}), 1, 2, 3, 8, 9, 17, 40}):
-        for renormalize in (1, 0):
-            router_topk_case(be, ref, T, E, H, K, renormalize, seed=T * 7 + E + K)
-
-
-def test_router_topk_every_route(be, ref):
-    for inst in instances(be, "moe_router_topk"):
-        for E, H, K in ROUTER_TOPK_SHAPES:
-            for T in (1, 2, 9):
-                if admissible(be, "moe_router_topk", inst, {"T": T, "E": E, "H": H, "K": K}):
-                    assert router_topk_case(be, ref, T, E, H, K, 1, seed=3 * T + E, route=inst) == inst
-
-
-def test_router_topk_in_cuda_graph_leaves_its_counters_zero(be, ref):
-    """Replayed from a graph on new x, call after call: every replay right (a counter left over would make the
-    next call's top-k run early, on logits not yet written, or never)."""
-    E, H, K = 256, 2048, 8
-    for T in (1, 2):
-        g = gen(900 + T)
-        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-        w = (torch.randn(E, H, device="cuda", generator=g) * H ** -0.5 * 3).bfloat16()
-        counters = torch.zeros(T, dtype=torch.int32, device="cuda")
-        logits, wts, ids = nan_like((T, E), torch.float32), nan_like((T, K), torch.float32), nan_like((T, K), torch.int32)
-        plan = be.plan("moe_router_topk", x=x, w=w, counters=counters, logits=logits, weights=wts, ids=ids)
-        graph = capture(plan)
-        for trial in range(3):
-            x.copy_(torch.randn(T, H, device="cuda", generator=g).bfloat16())
-            graph.replay()
-            torch.cuda.synchronize()
-            rl, rw, rids = (nan_like(t.shape, t.dtype) for t in (logits, wts, ids))
-            ref.run("moe_router", x=x.clone(), w=w.clone(), logits=rl)
-            what = f"moe_router_topk graph T={T} replay {trial}"
-            check_outputs(be, "moe_router", {"logits": logits}, {"logits": rl}, what)
-            ref.run("moe_topk", logits=logits.clone(), weights=rw, ids=rids, renormalize=1)
-            check_outputs(be, "moe_topk", {"weights": wts, "ids": ids}, {"weights": rw, "ids": rids}, what)
-            assert not counters.any(), f"{what}: counters left at {counters.tolist()}"
-
-
-def test_router_topk_bad_calls_are_clear_errors(be):
-    x, w = torch.randn(3, 256, device="cuda").bfloat16(), torch.randn(600, 256, device="cuda").bfloat16()
-    bufs = {"logits": nan_like((3, 600), torch.float32), "weights": nan_like((3, 8), torch.float32),
-            "ids": nan_like((3, 8), torch.int32)}
-    with pytest.raises(RouteError, match=r"moe_router_topk: route gemv\.\w+ \(sm_\w+\) requires E <= \d+"):
-        be.plan("moe_router_topk", x=x, w=w, counters=torch.zeros(3, dtype=torch.int32, device="cuda"), **bufs)
-    with pytest.raises(ContractError, match=r"NC >= T"):
-        be.plan("moe_router_topk", x=x, w=w[:16], counters=torch.zeros(2, dtype=torch.int32, device="cuda"),
-                logits=bufs["logits"][:, :16], weights=bufs["weights"], ids=bufs["ids"])
 
 
 # -------------------------------------------------------------------------------------------------- moe_experts

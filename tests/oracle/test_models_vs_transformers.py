@@ -77,17 +77,14 @@ def test_greedy_64_tokens_identical(models, kind, n):
     assert seq.finish_reason == "length" and seq.n_generated == 64   # max_new, counted without a copy
 
 
+@pytest.mark.parametrize("gate_add_norm", [True, False])
 @pytest.mark.parametrize("kind", ["moe", "moe_fused", "next"])
-@pytest.mark.parametrize("fused", ["moe_router_topk", "sigmoid_gate_add_rms_norm_zc"])
-def test_greedy_identical_with_the_moe_decode_fusions(models, kind, fused, monkeypatch):
-    """With MOE_ROUTER_TOPK_MAX_T, decode steps of up to that many tokens route through moe_router_topk (prefill
-    chunks through the pair); with MOE_GATE_ADD_NORM every MoE layer's shared-expert gate add runs inside the
-    add-norm after it (the last layer's plain add sums it first). Each sequence's greedy tokens stay transformers'."""
+def test_greedy_identical_with_and_without_the_gate_add_norm(models, kind, gate_add_norm, monkeypatch):
+    """With MOE_GATE_ADD_NORM (the default) every MoE layer's shared-expert gate add runs inside the add-norm after
+    it (the last layer's plain add sums it first); without, sigmoid_gate_add then add_rms_norm_zc. Each sequence's
+    greedy tokens stay transformers' either way."""
     from ninfer.runtime.models import blocks
-    if fused == "moe_router_topk":
-        monkeypatch.setattr(blocks, "MOE_ROUTER_TOPK_MAX_T", 2)
-    else:
-        monkeypatch.setattr(blocks, "MOE_GATE_ADD_NORM", True)
+    monkeypatch.setattr(blocks, "MOE_GATE_ADD_NORM", gate_add_norm)
     hf, art = models(kind)
     prompts = [prompt(1, 101), prompt(20, 120)]
     eng = Engine(art, backend="reference", max_context=128, max_seqs=2, prefill_chunk=5)
@@ -98,11 +95,11 @@ def test_greedy_identical_with_the_moe_decode_fusions(models, kind, fused, monke
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
         assert seq.generated == ref[0, len(ids):].tolist()
-    assert fused in ran
-    if fused == "moe_router_topk":
-        assert "moe_router" in ran
-    else:   # the last layer's add (a MoE layer) sums the gated branch with sigmoid_gate_add
+    fused = "sigmoid_gate_add_rms_norm_zc"
+    if gate_add_norm:   # the last layer's add (a MoE layer) sums the gated branch with sigmoid_gate_add
         assert "sigmoid_gate_add" in ran and ran.count(fused) > ran.count("sigmoid_gate_add")
+    else:
+        assert fused not in ran and "sigmoid_gate_add" in ran
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

@@ -80,17 +80,6 @@ def test_router_norm_and_dense_gemm_inputs_are_plain_tensors():
         be.run(op, **ts)
 
 
-def test_router_topk_inputs_carry_zeroed_counters():
-    """moe_router_topk's counters are a state the generic inputs lack: one zero slot per token."""
-    be = ReferenceBackend()
-    dims = {"T": 3, "E": 16, "H": 64, "K": 4}
-    ts = make_inputs(torch, be.contract("moe_router_topk"), "bf16", dict(dims), torch.Generator().manual_seed(0),
-                     "moe_router_topk")
-    assert ts["counters"].tolist() == [0, 0, 0] and ts["counters"].dtype == torch.int32
-    be.run("moe_router_topk", **ts)
-    assert ts["ids"].shape == (3, 4) and ts["weights"].sum(-1).allclose(torch.ones(3))
-
-
 def test_packed_swiglu_inputs_hold_the_gate_and_up_rows():
     """linear_swiglu_q4's packed weight is the [2I, K] matrix (its WB constraint checks the byte count)."""
     be = ReferenceBackend()

@@ -103,24 +103,6 @@ def test_moe_router_logits_are_fp32_and_moe_topk_reads_them(be):
         be.run("moe_topk", logits=logits.bfloat16(), weights=weights, ids=ids)
 
 
-def test_moe_router_topk_is_the_router_then_the_topk(be):
-    """The fused routing op writes what moe_router and moe_topk write, leaves its counters zero, and needs a
-    counter slot per token."""
-    g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(3, 72, generator=g).bfloat16(), (torch.randn(10, 72, generator=g) * 72 ** -0.5).bfloat16()
-    want = {"logits": torch.empty(3, 10), "weights": torch.empty(3, 4), "ids": torch.empty(3, 4, dtype=torch.int32)}
-    be.run("moe_router", x=x, w=w, logits=want["logits"])
-    be.run("moe_topk", logits=want["logits"], weights=want["weights"], ids=want["ids"], renormalize=0)
-    got = {k: torch.full_like(v, -7) for k, v in want.items()}
-    counters = torch.zeros(5, dtype=torch.int32)
-    be.run("moe_router_topk", x=x, w=w, counters=counters, **got, renormalize=0)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-    assert not counters.any()
-    with pytest.raises(ContractError, match=r"moe_router_topk: the contract requires NC >= T"):
-        be.run("moe_router_topk", x=x, w=w, counters=counters[:2], **got)
-
-
 def test_sigmoid_gate_add_rms_norm_zc_is_the_gate_add_then_the_add_norm(be):
     """The fused op writes what sigmoid_gate_add then add_rms_norm_zc write (fp32: exactly), s in place of a."""
     g = torch.Generator().manual_seed(5)
