@@ -24,8 +24,9 @@ from .models.blocks import Step, commit_round, side_stream
 
 # The commit (gdn_verify again over each lane's kept rows: one launch a GDN layer, 48 in a 27B round, latency-bound on
 # few SMs) on a stream of its own beside the MTP layer and the draft steps, which read the target's tokens and hidden
-# but no GDN state; joined at the end of the round. Not yet measured on a GPU: NINFER_SPEC_COMMIT_BESIDE=1 turns it on.
-COMMIT_BESIDE = os.environ.get("NINFER_SPEC_COMMIT_BESIDE", "0") == "1"
+# but no GDN state; joined at the end of the round. H200, 27B q4, C = 8 round of known drafts (PERF_NOTES.md, session
+# 36): 22.54 -> 21.65 ms. NINFER_SPEC_COMMIT_BESIDE=0 turns it off (A/B runs).
+COMMIT_BESIDE = os.environ.get("NINFER_SPEC_COMMIT_BESIDE", "1") == "1"
 
 # one per row; then per lane the state slot, the number of real drafts and the rows it keeps at most (up to its first
 # draft that is a stop token: the lane ends there), then the [b, width] page table
