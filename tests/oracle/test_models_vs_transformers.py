@@ -102,6 +102,25 @@ def test_greedy_identical_with_and_without_the_gate_add_norm(models, kind, gate_
         assert fused not in ran and "sigmoid_gate_add" in ran
 
 
+@pytest.mark.parametrize("kind", ["dense", "next"])
+def test_greedy_identical_with_the_kv_stored_by_the_qk_prep(models, kind, monkeypatch):
+    """With ATTN_QK_PREP_KV every attention layer's q/k prep stores k and v in the paged cache itself
+    (attn_qk_prep_kv, no kv_cache_write), prefill chunks and decode steps alike: greedy tokens stay transformers'."""
+    from ninfer.runtime.models import blocks
+    monkeypatch.setattr(blocks, "ATTN_QK_PREP_KV", True)
+    hf, art = models(kind)
+    prompts = [prompt(1, 101), prompt(20, 120)]
+    eng = Engine(art, backend="reference", max_context=128, max_seqs=2, prefill_chunk=5)
+    ran, run = [], eng.be.run
+    eng.be.run = lambda op, **a: (ran.append(op), run(op, **a))[1]
+    seqs = eng.generate(prompts, max_new=24)
+    for ids, seq in zip(prompts, seqs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert seq.generated == ref[0, len(ids):].tolist()
+    assert "attn_qk_prep_kv" in ran and "kv_cache_write" not in ran and "attn_qk_prep" not in ran
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_batch_of_8_equals_each_alone(models, kind):
     _, art = models(kind)
