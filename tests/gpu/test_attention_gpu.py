@@ -81,18 +81,6 @@ def test_attn_qk_prep(be, ref, problem, T):
     _check(be, ref, "attn_qk_prep", ts, dict(theta=theta, rotary_dim=R, eps=1e-6), exact=("gate", "v"))
 
 
-@pytest.mark.parametrize("route", _instances("attn_qk_prep"))
-@pytest.mark.parametrize("T", [1, 5, 300])
-@pytest.mark.parametrize("problem", QK_PROBLEMS, ids=str)
-def test_attn_qk_prep_every_route(be, ref, route, problem, T):
-    """Every route instance at a count of jobs that does and does not fill its blocks."""
-    NH, NKV, D, R, theta = problem
-    gen = torch.Generator(device="cuda").manual_seed(T * 17 + D)
-    ts = qk_prep_inputs(T, NH, NKV, D, gen)
-    assert _check(be, ref, "attn_qk_prep", ts, dict(theta=theta, rotary_dim=R, eps=1e-6), route=route,
-                  exact=("gate", "v")) == route
-
-
 def test_attn_qk_prep_positions_in_order(be, ref):
     """A prefill chunk: positions 5000..6023, as the engine sends them."""
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -125,15 +113,19 @@ def test_attn_qk_prep_kv(be, ref, problem, T):
     _check(be, ref, "attn_qk_prep_kv", ts, dict(theta=theta, rotary_dim=R, eps=1e-6), exact=("gate", "v_cache"))
 
 
-@pytest.mark.parametrize("route", _instances("attn_qk_prep_kv"))
+QK_PREP_OPS = {"attn_qk_prep": (qk_prep_inputs, ("gate", "v")), "attn_qk_prep_kv": (qk_prep_kv_inputs, ("gate", "v_cache"))}
+
+
+@pytest.mark.parametrize("op,route", [(op, r) for op in QK_PREP_OPS for r in _instances(op)])
 @pytest.mark.parametrize("T", [1, 5, 300])
 @pytest.mark.parametrize("problem", QK_PROBLEMS, ids=str)
-def test_attn_qk_prep_kv_every_route(be, ref, route, problem, T):
+def test_attn_qk_prep_every_route(be, ref, op, route, problem, T):
+    """Every route instance of both q/k prep ops at a count of jobs that does and does not fill its blocks."""
     NH, NKV, D, R, theta = problem
-    gen = torch.Generator(device="cuda").manual_seed(T * 19 + D)
-    ts = qk_prep_kv_inputs(T, NH, NKV, D, gen)
-    assert _check(be, ref, "attn_qk_prep_kv", ts, dict(theta=theta, rotary_dim=R, eps=1e-6), route=route,
-                  exact=("gate", "v_cache")) == route
+    inputs, exact = QK_PREP_OPS[op]
+    gen = torch.Generator(device="cuda").manual_seed(T * 17 + D)
+    ts = inputs(T, NH, NKV, D, gen)
+    assert _check(be, ref, op, ts, dict(theta=theta, rotary_dim=R, eps=1e-6), route=route, exact=exact) == route
 
 
 # ---- kv_cache_write -----------------------------------------------------------------------------------

@@ -77,14 +77,9 @@ def test_greedy_64_tokens_identical(models, kind, n):
     assert seq.finish_reason == "length" and seq.n_generated == 64   # max_new, counted without a copy
 
 
-@pytest.mark.parametrize("gate_add_norm", [True, False])
-@pytest.mark.parametrize("kind", ["moe", "moe_fused", "next"])
-def test_greedy_identical_with_and_without_the_gate_add_norm(models, kind, gate_add_norm, monkeypatch):
-    """With MOE_GATE_ADD_NORM (the default) every MoE layer's shared-expert gate add runs inside the add-norm after
-    it (the last layer's plain add sums it first); without, sigmoid_gate_add then add_rms_norm_zc. Each sequence's
-    greedy tokens stay transformers' either way."""
-    from ninfer.runtime.models import blocks
-    monkeypatch.setattr(blocks, "MOE_GATE_ADD_NORM", gate_add_norm)
+def greedy_ops_match_transformers(models, kind) -> list[str]:
+    """Two prompts (one token; twenty, in prefill chunks of 5) decoded greedily on the reference backend: each
+    sequence's 24 tokens must be transformers'. Returns the ops the engine ran, in order."""
     hf, art = models(kind)
     prompts = [prompt(1, 101), prompt(20, 120)]
     eng = Engine(art, backend="reference", max_context=128, max_seqs=2, prefill_chunk=5)
@@ -95,6 +90,18 @@ def test_greedy_identical_with_and_without_the_gate_add_norm(models, kind, gate_
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
         assert seq.generated == ref[0, len(ids):].tolist()
+    return ran
+
+
+@pytest.mark.parametrize("gate_add_norm", [True, False])
+@pytest.mark.parametrize("kind", ["moe", "moe_fused", "next"])
+def test_greedy_identical_with_and_without_the_gate_add_norm(models, kind, gate_add_norm, monkeypatch):
+    """With MOE_GATE_ADD_NORM (the default) every MoE layer's shared-expert gate add runs inside the add-norm after
+    it (the last layer's plain add sums it first); without, sigmoid_gate_add then add_rms_norm_zc. Each sequence's
+    greedy tokens stay transformers' either way."""
+    from ninfer.runtime.models import blocks
+    monkeypatch.setattr(blocks, "MOE_GATE_ADD_NORM", gate_add_norm)
+    ran = greedy_ops_match_transformers(models, kind)
     fused = "sigmoid_gate_add_rms_norm_zc"
     if gate_add_norm:   # the last layer's add (a MoE layer) sums the gated branch with sigmoid_gate_add
         assert "sigmoid_gate_add" in ran and ran.count(fused) > ran.count("sigmoid_gate_add")
@@ -108,16 +115,7 @@ def test_greedy_identical_with_the_kv_stored_by_the_qk_prep(models, kind, monkey
     (attn_qk_prep_kv, no kv_cache_write), prefill chunks and decode steps alike: greedy tokens stay transformers'."""
     from ninfer.runtime.models import blocks
     monkeypatch.setattr(blocks, "ATTN_QK_PREP_KV", True)
-    hf, art = models(kind)
-    prompts = [prompt(1, 101), prompt(20, 120)]
-    eng = Engine(art, backend="reference", max_context=128, max_seqs=2, prefill_chunk=5)
-    ran, run = [], eng.be.run
-    eng.be.run = lambda op, **a: (ran.append(op), run(op, **a))[1]
-    seqs = eng.generate(prompts, max_new=24)
-    for ids, seq in zip(prompts, seqs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-        assert seq.generated == ref[0, len(ids):].tolist()
+    ran = greedy_ops_match_transformers(models, kind)
     assert "attn_qk_prep_kv" in ran and "kv_cache_write" not in ran and "attn_qk_prep" not in ran
 
 
