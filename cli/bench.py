@@ -68,8 +68,9 @@ CASES = [
     # the fused GDN decode step of T sequences: 27B, then 35B-A3B
     ("gdn_decode", {"H": 5120, "HK": 16, "R": 3, "DK": 128, "DV": 128}, [1, 2, 4, 8]),
     ("gdn_decode", {"H": 2048, "HK": 16, "R": 2, "DK": 128, "DV": 128}, [1, 2, 4, 8]),
-    # a speculative verify step's GDN mixer: T tokens in runs of 4 (1, 2, 8 lanes at K = 3), each run committed
-    ("gdn_verify", {"H": 5120, "HK": 16, "R": 3, "DK": 128, "DV": 128}, [4, 8, 32]),
+    # a speculative verify step's GDN mixer: T tokens in runs of 4 (1, 2, 8 lanes at K = 3), each run committed;
+    # T = 1..3 one lane of that many tokens (the cost of a token in the run, against gdn_decode at T = 1)
+    ("gdn_verify", {"H": 5120, "HK": 16, "R": 3, "DK": 128, "DV": 128}, [1, 2, 3, 4, 8, 32]),
     ("gdn_verify", {"H": 2048, "HK": 16, "R": 2, "DK": 128, "DV": 128}, [4, 32]),
     # T <= 64: T sequences at ATTN_CONTEXT (decode); 4096: the second chunk of an 8K prompt (prefill)
     ("paged_attention", {"NH": 24, "NKV": 4, "D": 256, "BS": 16}, [1, 2, 4, 8, 4096]),
