@@ -176,6 +176,24 @@ def scale_row(K: int):
     return scales, lambda off: np.frombuffer(row[off:off + 16], np.float16)
 
 
+def rank_shares(units: int, ks: int):
+    """wgmma_rs_splitk's k-tiles [kb, ke) of each rank of ks (K = 512 units; ks = 1: the whole of K)."""
+    for rank in range(ks):
+        yield 8 * (units * rank // ks), 8 * (units * (rank + 1) // ks)
+
+
+def scale_pipeline(load, kb: int, ke: int):
+    """The consumers' scale registers over the k-tiles [kb, ke), per scale group k8: sc (its 8 scales; the first
+    group's loaded before the loop) and scn (the next group's, loaded one step ahead)."""
+    sc, scn = load(2 * kb), None
+    for k8 in range(kb, ke, 8):
+        if k8 > kb:
+            sc = scn
+        if k8 + 8 < ke:
+            scn = load(2 * (k8 + 8))
+        yield k8, sc, scn
+
+
 @pytest.mark.parametrize("units,ks", [(1, 1), (10, 2), (12, 3), (34, 3), (34, 4), (7, 4)])
 def test_split_k_shares_and_their_scales(units, ks):
     """wgmma_rs_splitk: rank r of ks takes the k-tiles [8 (units r / ks), 8 (units (r + 1) / ks)) (K = 512 units);
@@ -185,15 +203,9 @@ def test_split_k_shares_and_their_scales(units, ks):
     K = 512 * units
     scales, load = scale_row(K)
     seen = []
-    for rank in range(ks):
-        kb, ke = 8 * (units * rank // ks), 8 * (units * (rank + 1) // ks)
+    for kb, ke in rank_shares(units, ks):
         assert ke - kb >= 8 and (ke - kb) % 8 == 0
-        sc, scn = load(2 * kb), None
-        for k8 in range(kb, ke, 8):
-            if k8 > kb:
-                sc = scn
-            if k8 + 8 < ke:
-                scn = load(2 * (k8 + 8))
+        for k8, sc, _ in scale_pipeline(load, kb, ke):
             for j in range(8):
                 assert sc[j] == scales[k8 + j]
                 seen.append(k8 + j)
@@ -209,16 +221,10 @@ def test_consumer_k_groups_pipeline(units, ks, kg):
     K, stages = 512 * units, 8
     scales, load = scale_row(K)
     seen = []
-    for rank in range(ks):
-        kb, ke = 8 * (units * rank // ks), 8 * (units * (rank + 1) // ks)
+    for kb, ke in rank_shares(units, ks):
         for g in range(kg):
             decoded = {kb + g: load(2 * kb)[g]}               # decode(kb + kg, kg, sc, 0)
-            sc, scn = load(2 * kb), None
-            for k8 in range(kb, ke, 8):
-                if k8 > kb:
-                    sc = scn
-                if k8 + 8 < ke:
-                    scn = load(2 * (k8 + 8))
+            for k8, sc, scn in scale_pipeline(load, kb, ke):
                 for jj in range(8 // kg):
                     j = jj * kg + g
                     kt = k8 + j
