@@ -101,3 +101,40 @@ def test_the_split_and_grouped_moe_forms_compute_the_single_op(tmp_path, monkeyp
         assert not any(op.startswith("moe_experts") for op in expert_ops)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("kind", ["dense", "next"])   # the tiny moe is all MoE layers: none of its add-norms qualify
+def test_the_add_norm_in_the_next_linears_prologue_computes_the_two_ops(tmp_path, monkeypatch, kind):
+    """With NINFER_ADD_NORM_LINEAR=1 the residual add-norms whose output a q4 linear reads first (the GDN in_qkvz at
+    decode, the attention qkv, the dense MLP's SwiGLU projection) run inside that linear (add_rms_norm_zc_linear_q4 /
+    _swiglu_q4, the residual moving to a new buffer): every boundary runs one of the three ops, and prompt scores and
+    greedy tokens are those of the two ops apart (fp32)."""
+    from ninfer.runtime.models import blocks
+    d = build(kind, tmp_path / "ckpt")
+    art = tmp_path / f"{kind}.ninfer"
+    plan = plan_conversion(d, fmt="q4")
+    convert(plan, art)
+    plan.checkpoint.close()
+    eng = Engine(art, backend="reference", max_context=64, packed_weights=True)
+    boundaries = ("add_rms_norm_zc", "add_rms_norm_zc_linear_q4", "add_rms_norm_zc_linear_swiglu_q4")
+    try:
+        ids = list(range(3, 40, 2))
+        runs = {}
+        for mode in ("0", "1"):
+            monkeypatch.setattr(blocks, "ADD_NORM_LINEAR", mode)
+            score = eng.score(ids)
+            calls = record_ops(monkeypatch, eng)
+            tokens = eng.generate([ids[:7]], max_new=8)[0].generated
+            monkeypatch.undo()
+            runs[mode] = score, tokens, calls
+        (apart, apart_tokens, calls0), (fused, fused_tokens, calls1) = runs["0"], runs["1"]
+        assert sum(calls1.count(op) for op in boundaries) == calls0.count("add_rms_norm_zc")
+        decode = calls1[calls1.index("argmax") + 1:]   # the prompt's step ends with its first token's argmax
+        assert "add_rms_norm_zc_linear_q4" in decode
+        assert "add_rms_norm_zc_linear_swiglu_q4" in decode   # the tiny next has dense MLPs too
+        # left apart at decode only: the add-norms before a MoE block (its router reads x) or after one (a gated sum)
+        assert ("add_rms_norm_zc" in decode) == (kind == "next")
+        assert torch.allclose(fused, apart, rtol=1e-5, atol=1e-6)
+        assert fused_tokens == apart_tokens
+    finally:
+        eng.close()

@@ -215,3 +215,47 @@ def test_cat_rows_of_float_tensors():
     a, b = torch.randn(3, 8), torch.randn(5, 8)
     assert torch.equal(cat_rows(a, b), torch.cat([a, b]))
     assert cat_rows(a, b.double()) is None and cat_rows(a, torch.randn(5, 9)) is None
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_add_norm_linear_is_the_add_norm_then_the_linear(swiglu):
+    """add_rms_norm_zc_linear_q4 / _swiglu_q4 write add_rms_norm_zc's s and y (as x) and the linear's y over it; fp32
+    here, so the reference's unrounded x is the stored one and the results are equal."""
+    be, g = ReferenceBackend(), torch.Generator().manual_seed(5)
+    T, n, k = 3, 136, 192
+    pw = random_packed("q4", (2 * n if swiglu else n, k), "cpu", g, 0.05)
+    a, b, nw = torch.randn(T, k, generator=g), torch.randn(T, k, generator=g), torch.randn(k, generator=g) * 0.5
+    s, x, y = torch.empty(T, k), torch.empty(T, k), torch.empty(T, n)
+    op = "linear_swiglu_q4" if swiglu else "linear_q4"
+    be.run("add_rms_norm_zc_" + op, a=a, b=b, norm_w=nw, s=s, x=x, w=pw.data, y=y, eps=1e-6)
+    s2, x2, y2 = a.clone(), torch.empty(T, k), torch.empty(T, n)
+    be.run("add_rms_norm_zc", a=s2, b=b, w=nw, s=s2, y=x2, eps=1e-6)
+    be.run(op, x=x2, w=pw.data, y=y2)
+    assert torch.equal(s, s2) and torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(a, s)   # a is read, never written (s is its own buffer)
+
+
+@pytest.mark.parametrize("mode,route,fused", [("auto", "gemv_persist", True), ("auto", "gemv_batch_s8", False),
+                                              ("auto", None, False), ("1", None, True), ("0", "gemv_persist", False)])
+def test_a_deferred_add_norm_runs_in_the_linear_where_the_mode_says(monkeypatch, mode, route, fused):
+    """NINFER_ADD_NORM_LINEAR: "auto" fuses where linear_q4's own route at T is gemv_persist, "1" always, "0" never
+    (add_rms_norm_zc then runs at once, in place). Fused, the residual after the add is a new buffer and h is left."""
+    from ninfer.runtime.models import blocks
+    monkeypatch.setattr(blocks, "ADD_NORM_LINEAR", mode)
+    calls = []
+
+    class Tabled(recording(calls)):
+        def resolved_route(self, op, **dims):
+            return route if op == "linear_q4" else None
+    be, g = Tabled(), torch.Generator().manual_seed(6)
+    pw = random_packed("q4", (136, 256), "cpu", g, 0.05)
+    h, b, nw = torch.randn(2, 256, generator=g), torch.randn(2, 256, generator=g), torch.randn(256, generator=g)
+    h0 = h.clone()
+    x = blocks.add_norm(be, h, b, nw, 1e-6, defer=True)
+    y = blocks.linear(be, x, pw)
+    assert calls == (["add_rms_norm_zc_linear_q4"] if fused else ["add_rms_norm_zc", "linear_q4"])
+    s = blocks.residual(x, h)
+    assert torch.equal(s, h0 + b) and (s is h) == (not fused) and torch.equal(h, h0) == fused
+    calls.clear()
+    want = blocks.linear(be, blocks.add_rms_norm_zc(be, h0.clone(), b, nw, 1e-6), pw)
+    assert torch.allclose(y, want, rtol=1e-6, atol=1e-6)
