@@ -44,13 +44,8 @@ CASES = [
     ("linear_q4", {"N": 5120, "K": 6144}, [32]),
     ("linear_q4", {"N": 34816, "K": 5120}, [8, 16, 32, 64]),
     # a verify step of 8 lanes of K = 3 (T = 32): the GDN in_qkvz projection and the MLP's fused SwiGLU
-    ("linear_q4", {"N": 16384, "K": 5120}, [1, 2, 16, 32]),
-    ("linear_swiglu_q4", {"I": 17408, "K": 5120}, [1, 2, 16, 32]),
-    # decode's residual add-norm inside the next q4 linear (against add_rms_norm_zc and the linear above)
-    ("add_rms_norm_zc_linear_q4", {"N": 16384, "K": 5120}, [1, 2]),
-    ("add_rms_norm_zc_linear_q4", {"N": 14336, "K": 5120}, [1, 2]),
-    ("linear_q4", {"N": 14336, "K": 5120}, [1, 2]),
-    ("add_rms_norm_zc_linear_swiglu_q4", {"I": 17408, "K": 5120}, [1, 2]),
+    ("linear_q4", {"N": 16384, "K": 5120}, [16, 32]),
+    ("linear_swiglu_q4", {"I": 17408, "K": 5120}, [16, 32]),
     # prefill with the codes decoded inside the wgmma GEMM (against dequant_q4 + linear / linear_swiglu above)
     ("linear_q4", {"N": 6144, "K": 5120}, [4096]),
     ("linear_q4", {"N": 34816, "K": 5120}, [4096]),

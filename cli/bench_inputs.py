@@ -68,7 +68,6 @@ def op_bytes(op, tensors, dims) -> int:
 
 def op_flops(op: str, T: int, problem: dict) -> int:
     """Multiply-add FLOPs of a linear, expert or attention op (0 for the others)."""
-    op = op.removeprefix("add_rms_norm_zc_")
     if op in ("linear_swiglu", "linear_swiglu_q4"):   # the [gate | up] projection: 2I rows
         return 2 * T * 2 * problem["I"] * problem["K"]
     if op.startswith("linear"):
@@ -109,7 +108,6 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         T, K, dev = dims["T"], dims["K"], rng.device
         return {"x": torch.randn(T, K, device=dev, generator=rng).bfloat16(),
                 "q": torch.empty(T, K, device=dev, dtype=torch.uint8), "s": torch.empty(T, device=dev)}
-    op = op.removeprefix("add_rms_norm_zc_")   # add_rms_norm_zc_linear_q4 / _swiglu_q4: the linear's weight
     suffix = op.rsplit("_", 1)[1] if op.startswith(("linear_", "dequant_")) else None
     packed = suffix if suffix in FORMATS else None   # linear_q4 / dequant_q4 / linear_swiglu_q4, not linear_swiglu
     if op.startswith("dequant_"):   # T rows of a packed [T, K] matrix

@@ -10,7 +10,7 @@ import torch
 
 from .format_base import K_ALIGN, align_up
 from .formats import get_format
-from .reference import REFERENCES, add_rms_norm_zc, ids_of, linear, linear_swiglu, moe_down, moe_experts, moe_gate_up
+from .reference import REFERENCES, ids_of, linear, linear_swiglu, moe_down, moe_experts, moe_gate_up
 
 PACKED = ("q4", "q5", "q6", "w8", "fp8")
 
@@ -96,16 +96,6 @@ def linear_swiglu_q4(x, w, dims):
     return linear_swiglu(x, unpack("q4", w, 2 * dims["I"], dims["K"]).to(x.dtype))
 
 
-def _add_norm_ref(linear_ref):
-    """add_rms_norm_zc_<linear op>: the add-norm's s and x (unrounded: the linear reads x before its rounding), then
-    the linear over x."""
-    def ref(a, b, norm_w, w, eps, dims):
-        n = add_rms_norm_zc(a, b, norm_w, eps)
-        return {"s": n["s"], "x": n["y"], "y": linear_ref(n["y"], w, dims)["y"]}
-    ref.__name__ = f"add_rms_norm_zc_{linear_ref.__name__}"
-    return ref
-
-
 def _dequant_ref(fmt):
     def ref(w, dims):
         return {"y": unpack(fmt, w, dims["T"], dims["K"])}
@@ -159,7 +149,6 @@ def _moe_split_refs(fmt):
 
 QUANT_REFERENCES = {f.__name__: f for f in [*(_linear_ref(fmt) for fmt in PACKED), *(_dequant_ref(fmt) for fmt in PACKED),
                                              linear_swiglu_q4, quant_fp8_per_token, linear_fp8_w8a8,
-                                             _add_norm_ref(_linear_ref("q4")), _add_norm_ref(linear_swiglu_q4),
                                              *(_moe_ref(*p) for p in MOE_PAIRS),
                                              *(f for fmt in PACKED for f in _moe_split_refs(fmt))]}
 ALL_REFERENCES = {**REFERENCES, **QUANT_REFERENCES}

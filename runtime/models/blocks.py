@@ -74,12 +74,6 @@ MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", 65)
 # NINFER_MOE_GATE_ADD_NORM=0 turns it off (A/B runs).
 MOE_GATE_ADD_NORM = os.environ.get("NINFER_MOE_GATE_ADD_NORM", "1") == "1"
 
-# The residual add-norm before a q4 linear (the GDN in_qkvz, the attention qkv, the dense MLP's SwiGLU projection) as
-# that linear's prologue (add_rms_norm_zc_linear_q4 / _swiglu_q4: one launch and one PDL boundary fewer at the
-# boundary; PendingNorm). NINFER_ADD_NORM_LINEAR: "auto" where the linear's own route at T is gemv_persist (the route
-# whose x staging the fused op extends), "1" wherever the backend has the op (any T: the CPU tests), "0" never.
-# Written after the last GPU call of session 36 (PERF_NOTES.md, session 37): off until its A/B has run.
-ADD_NORM_LINEAR = os.environ.get("NINFER_ADD_NORM_LINEAR", "0")
 
 # The attention layer's q/k prep stores k and v straight into the paged cache (attn_qk_prep_kv: one launch a layer
 # fewer than attn_qk_prep + kv_cache_write; bf16 cache only). Written after the last GPU call (PERF_NOTES.md,
@@ -213,12 +207,7 @@ def dense_weight(be, x, w):
 
 def linear(be, x, w):
     """y = x·wᵀ; a packed weight goes to its format's op (linear_q4, ...) or, for prefill, to `linear` over its
-    decoded matrix (fp8: to the FP8 tensor cores where w8a8 says so). x may be a PendingNorm."""
-    if isinstance(x, PendingNorm):
-        y = x.linear(be, w)
-        if y is not None:
-            return y
-        x = x.tensor(be)
+    decoded matrix (fp8: to the FP8 tensor cores where w8a8 says so)."""
     if w8a8(be, x, w):
         T, (n, k) = x.shape[0], w.matrix
         xq, xs, y = new(x, T, k, dtype=torch.uint8), new(x, T, dtype=torch.float32), new(x, T, n)
@@ -263,60 +252,6 @@ def add_rms_norm_zc(be, h, b, w, eps):
     return y
 
 
-class PendingNorm:
-    """x = rms_norm_zc(h + b) before it is computed: the q4 linear that reads it may compute it in its prologue
-    (add_rms_norm_zc_linear_q4 / _swiglu_q4), which writes the new residual to a new buffer (every block of that
-    launch reads the old one); otherwise add_rms_norm_zc computes it, adding in place. Once resolved, `x` is the
-    normed tensor and `s` the residual after the add."""
-
-    def __init__(self, h, b, w, eps):
-        self.h, self.b, self.w, self.eps = h, b, w, eps
-        self.x = self.s = None
-
-    def tensor(self, be) -> torch.Tensor:
-        if self.x is None:
-            self.x, self.s = add_rms_norm_zc(be, self.h, self.b, self.w, self.eps), self.h
-        return self.x
-
-    def linear(self, be, w, swiglu: bool = False) -> torch.Tensor | None:
-        """linear_q4's (swiglu: linear_swiglu_q4's) y over packed w with the add-norm in its prologue, or None where
-        the fused op does not run (resolved already, not q4, or not chosen at this T: ADD_NORM_LINEAR)."""
-        if self.x is not None or not isinstance(w, PackedWeight) or w.fmt != "q4":
-            return None
-        T, (n, k) = self.h.shape[0], w.matrix
-        base = "linear_swiglu_q4" if swiglu else "linear_q4"
-        dims = dict(T=T, I=n // 2, K=k) if swiglu else dict(T=T, N=n, K=k)
-        op = "add_rms_norm_zc_" + base
-        if not be.has_op(op) or not (ADD_NORM_LINEAR == "1" or ADD_NORM_LINEAR == "auto" and
-                                     (be.resolved_route(base, **dims) or "").startswith("gemv_persist")):
-            return None
-        s, x, y = torch.empty_like(self.h), torch.empty_like(self.h), new(self.h, T, n // 2 if swiglu else n)
-        be.run(op, a=self.h, b=self.b, norm_w=self.w, s=s, x=x, w=w.data, y=y, eps=self.eps)
-        self.x, self.s = x, s
-        return y
-
-
-def as_tensor(be, x) -> torch.Tensor:
-    """x itself, or a PendingNorm computed now."""
-    return x.tensor(be) if isinstance(x, PendingNorm) else x
-
-
-def add_norm(be, h, b, w, eps, defer: bool):
-    """rms_norm_zc(h + b): a PendingNorm for the linear that reads it to compute, where `defer` and ADD_NORM_LINEAR
-    allow and b is a tensor; else add_rms_norm_zc now (h += b in place)."""
-    if defer and ADD_NORM_LINEAR != "0" and not isinstance(b, GatedSum):
-        return PendingNorm(h, b, w, eps)
-    return add_rms_norm_zc(be, h, b, w, eps)
-
-
-def residual(x, h) -> torch.Tensor:
-    """The residual stream after the add that x normalises: a resolved PendingNorm's s, or h (updated in place)."""
-    if isinstance(x, PendingNorm):
-        assert x.s is not None, "a PendingNorm no block read"
-        return x.s
-    return h
-
-
 def add_(be, h, b):
     be.run("add", a=h, b=b.sum(be) if isinstance(b, GatedSum) else b, y=h)
 
@@ -332,9 +267,8 @@ class GatedAttention:
 
     def __call__(self, be, x, step: Step):
         c = self.cfg
-        qkv = linear(be, x, self.qkv)
-        x = as_tensor(be, x)
         T = x.shape[0]
+        qkv = linear(be, x, self.qkv)
         q, gate = new(x, T, c.heads, c.head_dim), new(x, T, c.heads, c.head_dim)
         prep = dict(qkv=qkv, positions=step.positions, q_norm=self.q_norm, k_norm=self.k_norm, q=q, gate=gate,
                     theta=c.rope_theta, rotary_dim=c.rotary_dim, eps=c.eps)
@@ -418,7 +352,6 @@ class GatedDeltaNet:
             return self.decode(be, x, step)
         if step.keep is not None:
             return self.verify(be, x, step)
-        x = as_tensor(be, x)
         c = self.cfg
         T = x.shape[0]
         mixed, z = self._qkv_z(be, x)
@@ -452,9 +385,7 @@ class GatedDeltaNet:
 
     def decode(self, be, x, step: Step):
         """One token per sequence: b/a, conv, gates, delta rule and gated norm are one gdn_decode launch."""
-        qkvz = self._qkvz(be, x)
-        x = as_tensor(be, x)
-        args, y = self._fused(x, qkvz, step.state_slots, x.shape[0])
+        args, y = self._fused(x, self._qkvz(be, x), step.state_slots, x.shape[0])
         be.run("gdn_decode", **args)
         return linear(be, y, self.out)
 
@@ -462,7 +393,6 @@ class GatedDeltaNet:
         """A speculative verify step (a run of tokens a lane): the mixer as one gdn_verify launch that reads the
         states and writes none (step.commit: zeros); the round's commit runs it again over the tokens kept."""
         qkvz = self._qkvz(be, x)
-        x = as_tensor(be, x)
         step.keep.append((self, x, qkvz))
         args, y = self._fused(x, qkvz, step.state_slots, x.shape[0])
         be.run("gdn_verify", **args, query_start=step.query_start, commit=step.commit)
@@ -492,11 +422,6 @@ class DenseMLP:
         self.gate_up, self.down = w[prefix + "gate_up"], w[prefix + "down"]
 
     def __call__(self, be, x):
-        if isinstance(x, PendingNorm):
-            act = x.linear(be, self.gate_up, swiglu=True)
-            if act is not None:
-                return linear(be, act, self.down)
-            x = x.tensor(be)
         T = x.shape[0]
         fused = SWIGLU_MIN_T is not None and T >= SWIGLU_MIN_T
         gu = self.gate_up
@@ -533,7 +458,6 @@ class SparseMoE:
             raise ValueError(f"{p}experts: gate_up and down must both be packed or both float formats")
 
     def __call__(self, be, x):
-        x = as_tensor(be, x)
         c = self.cfg
         T = x.shape[0]
         logits = new(x, T, self.router.shape[0], dtype=torch.float32)  # fp32: bf16 logits flip near-tie top-k

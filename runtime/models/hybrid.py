@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .blocks import (GatedAttention, GatedDeltaNet, Step, add_, add_norm, add_rms_norm_zc, linear, new, residual,
-                     rms_norm_zc)
+from .blocks import GatedAttention, GatedDeltaNet, Step, add_, add_rms_norm_zc, linear, new, rms_norm_zc
 from .config import HybridConfig
 
 
@@ -50,17 +49,12 @@ class HybridForCausalLM:
         h = new(self.embed, ids.shape[0], self.cfg.hidden)
         be.run("embedding", ids=ids, table=self.embed, y=h)
         x = rms_norm_zc(be, h, self.layers[0][0], eps)
-        defer = hidden_out is None   # a deferred add-norm leaves h to the next layer's mixer (blocks.PendingNorm)
         for i, (_, mixer, post_norm, mlp) in enumerate(self.layers):
-            # pre-norm residual: h += mixer(norm(h)); h += mlp(norm(h)); each add fused with the norm after it, and
-            # that with the linear reading its output where the backend can (then h moves to a new buffer)
-            out = mixer(be, x, step)
-            h = residual(x, h)
-            x = add_norm(be, h, out, post_norm, eps, defer)
+            # pre-norm residual: h += mixer(norm(h)); h += mlp(norm(h)); each add fused with the norm after it
+            x = add_rms_norm_zc(be, h, mixer(be, x, step), post_norm, eps)
             out = mlp(be, x)
-            h = residual(x, h)
             if i + 1 < len(self.layers):
-                x = add_norm(be, h, out, self.layers[i + 1][0], eps, defer)
+                x = add_rms_norm_zc(be, h, out, self.layers[i + 1][0], eps)
             else:
                 add_(be, h, out)
             if hidden_out is not None:

@@ -124,28 +124,6 @@ def test_greedy_identical_to_plain_decoding(kinds, kind, k):
     assert eng.cache.in_use == (0, 0)
 
 
-def test_rounds_with_the_add_norm_in_the_next_linear_equal_plain_decoding(ckpt, tmp_path, monkeypatch):
-    """q4 weights kept packed and NINFER_ADD_NORM_LINEAR=1: the verify steps (and the commit, which replays their GDN
-    inputs) take x from add_rms_norm_zc_linear_q4; greedy rounds give plain decoding's tokens with the two ops apart."""
-    from ninfer.runtime.models import blocks
-    d, _ = ckpt
-    art = tmp_path / "q4.ninfer"
-    plan = plan_conversion(d, fmt="q4")
-    convert(plan, art)
-    plan.checkpoint.close()
-    ps = prompts(9, 17, 4)
-    monkeypatch.setattr(blocks, "ADD_NORM_LINEAR", "0")
-    ref = [s.generated for s in engine(art, None, packed_weights=True).generate(ps, max_new=24)]
-    monkeypatch.setattr(blocks, "ADD_NORM_LINEAR", "1")
-    eng = engine(art, packed_weights=True)
-    calls = []
-    run = eng.be.run
-    monkeypatch.setattr(eng.be, "run", lambda op, **kw: (calls.append(op), run(op, **kw))[1])
-    assert [s.generated for s in eng.generate(ps, max_new=24)] == ref
-    assert "add_rms_norm_zc_linear_q4" in calls[calls.index("gdn_verify"):]   # a verify step's own
-    assert eng.spec.stats["num_drafts"] > 0 and eng.cache.in_use == (0, 0)
-
-
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_static_round_drafts_what_the_op_by_op_round_drafts(kinds, kind):
     """The VerifyStep round (verify, draws, acceptance count and MTP steps over static buffers, the GPU's CUDA graph)
