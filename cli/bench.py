@@ -159,8 +159,7 @@ OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5
              "paged_attention_split": {"scale": 256 ** -0.5}, "paged_attention_verify": {"scale": 256 ** -0.5, "L": VERIFY_RUN},
              "gdn_decode": {"scale": 128 ** -0.5}, "gdn_verify": {"scale": 128 ** -0.5},
              "paged_attention_fp8": {"scale": 256 ** -0.5}, "paged_attention_split_fp8": {"scale": 256 ** -0.5},
-             "attn_qk_prep": {"theta": 1.0e7, "rotary_dim": 64},
-             "attn_qk_prep_kv": {"theta": 1.0e7, "rotary_dim": 64}, "argmax": {"domain": 248077},
+             "attn_qk_prep": {"theta": 1.0e7, "rotary_dim": 64}, "argmax": {"domain": 248077},
              "sample": {"domain": 248077}}
 
 

@@ -116,10 +116,8 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
         dims["N"] = 2 * dims["I"]
     if packed:
         dims["WB"] = nbytes(packed, (dims["N"], dims["K"]))
-    if op.startswith("attn_qk_prep"):   # the fused projection row: [q | gate] per head, then k, then v
+    if op == "attn_qk_prep":   # the fused projection row: [q | gate] per head, then k, then v
         dims["W"] = 2 * dims["NH"] * dims["D"] + 2 * dims["NKV"] * dims["D"]
-    if op == "attn_qk_prep_kv":   # a decode step's or a chunk's slots: distinct, in a cache of 16-token pages
-        dims.update(BS=16, NB=-(-dims["T"] // 16))
 
     ts = {}
     for name, spec in {**contract["inputs"], **contract["outputs"]}.items():
@@ -130,11 +128,6 @@ def make_inputs(torch, contract, dtype, dims, rng, op=""):
             ts[name] = torch.randint(0, dims.get("V", 1), shape_of(spec, dims), device=rng.device, dtype=dt, generator=rng)
         else:
             ts[name] = torch.randn(shape_of(spec, dims), device=rng.device, dtype=torch.float32, generator=rng).to(dt)
-    if op == "attn_qk_prep_kv":
-        ts["slot_mapping"] = torch.randperm(dims["NB"] * dims["BS"], device=rng.device, generator=rng)[:dims["T"]].int()
-        for name in ("k_cache", "v_cache"):
-            ts[name] = torch.randn(shape_of(contract["states"][name], dims), device=rng.device,
-                                   generator=rng).to(TORCH_DTYPES[dtype])
     return ts
 
 

@@ -192,7 +192,7 @@ def mixer_problems(cfg, page_size: int = 16) -> list[tuple[str, dict]]:
                 ("gdn_gated_norm", {"HV": cfg.v_heads, "DV": cfg.v_dim})]
     if any(cfg.is_attention(i) for i in range(cfg.layers)):
         attn = {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim, "BS": page_size}
-        out += [*((op, {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim}) for op in ("attn_qk_prep", "attn_qk_prep_kv")),
+        out += [("attn_qk_prep", {"NH": cfg.heads, "NKV": cfg.kv_heads, "D": cfg.head_dim}),
                 ("paged_attention", attn), ("paged_attention_split", dict(attn)),
                 ("merge_attn_states", {"NH": cfg.heads, "D": cfg.head_dim}), ("paged_attention_verify", dict(attn)),
                 ("paged_attention_fp8", dict(attn)), ("paged_attention_split_fp8", dict(attn))]

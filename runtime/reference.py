@@ -80,11 +80,6 @@ def attn_qk_prep(qkv, positions, q_norm, k_norm, theta, rotary_dim, eps, dims):
     return {"q": q, "gate": qg[..., d:], "k": k, "v": v}
 
 
-def attn_qk_prep_kv(qkv, positions, q_norm, k_norm, slot_mapping, k_cache, v_cache, theta, rotary_dim, eps, dims):
-    r = attn_qk_prep(qkv, positions, q_norm, k_norm, theta, rotary_dim, eps, dims)
-    return {"q": r["q"], "gate": r["gate"], **kv_cache_write(r["k"], r["v"], slot_mapping, k_cache, v_cache)}
-
-
 def kv_cache_write(k, v, slot_mapping, k_cache, v_cache):
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     bs = k_cache.shape[1]
@@ -421,7 +416,7 @@ def sample(logits, counts, temperature, top_k, top_p, min_p, presence, frequency
 
 
 REFERENCES = {f.__name__: f for f in (rms_norm, rms_norm_zc, add_rms_norm_zc, sigmoid_gate_add_rms_norm_zc, add, silu_and_mul, sigmoid_mul, embedding, linear,
-                                      linear_swiglu, attn_qk_prep, attn_qk_prep_kv, kv_cache_write, paged_attention, paged_attention_split, paged_attention_verify,
+                                      linear_swiglu, attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split, paged_attention_verify,
                                       kv_cache_write_fp8, paged_attention_fp8, paged_attention_split_fp8, merge_attn_states, gdn_conv, gdn_gates,
                                       gdn_delta_rule, gdn_gated_norm, gdn_decode, gdn_verify, moe_router, moe_topk, moe_experts, moe_align, moe_sum,
                                       sigmoid_gate_add, argmax, sample)}

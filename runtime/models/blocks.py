@@ -75,11 +75,6 @@ MOE_GROUPED_MIN_T = _env_tokens("NINFER_MOE_GROUPED_MIN_T", 65)
 MOE_GATE_ADD_NORM = os.environ.get("NINFER_MOE_GATE_ADD_NORM", "1") == "1"
 
 
-# The attention layer's q/k prep stores k and v straight into the paged cache (attn_qk_prep_kv: one launch a layer
-# fewer than attn_qk_prep + kv_cache_write; bf16 cache only). Written after the last GPU call (PERF_NOTES.md,
-# session 36): off until it has run on a GPU; NINFER_ATTN_QK_PREP_KV=1 turns it on (A/B runs).
-ATTN_QK_PREP_KV = os.environ.get("NINFER_ATTN_QK_PREP_KV", "0") == "1"
-
 # Attention of steps up to ATTN_SPLIT_MAX_T tokens (decode batches) as flash decoding: paged_attention_split cuts each
 # token's keys into attn_splits(T, kv heads) splits, one block each, and merge_attn_states combines them (and applies
 # the output gate), where paged_attention ran one cluster of 8 blocks per (token, kv head): 16 (35B-A3B) to 64 SMs
@@ -270,16 +265,11 @@ class GatedAttention:
         T = x.shape[0]
         qkv = linear(be, x, self.qkv)
         q, gate = new(x, T, c.heads, c.head_dim), new(x, T, c.heads, c.head_dim)
-        prep = dict(qkv=qkv, positions=step.positions, q_norm=self.q_norm, k_norm=self.k_norm, q=q, gate=gate,
-                    theta=c.rope_theta, rotary_dim=c.rotary_dim, eps=c.eps)
+        k, v = new(x, T, c.kv_heads, c.head_dim), new(x, T, c.kv_heads, c.head_dim)
+        be.run("attn_qk_prep", qkv=qkv, positions=step.positions, q_norm=self.q_norm, k_norm=self.k_norm,
+               q=q, gate=gate, k=k, v=v, theta=c.rope_theta, rotary_dim=c.rotary_dim, eps=c.eps)
         kv = "_fp8" if self.fp8 else ""
-        if ATTN_QK_PREP_KV and not self.fp8 and be.has_op("attn_qk_prep_kv"):   # k, v straight into the cache
-            be.run("attn_qk_prep_kv", **prep, slot_mapping=step.slot_mapping, k_cache=self.k_cache, v_cache=self.v_cache)
-        else:
-            k, v = new(x, T, c.kv_heads, c.head_dim), new(x, T, c.kv_heads, c.head_dim)
-            be.run("attn_qk_prep", **prep, k=k, v=v)
-            be.run("kv_cache_write" + kv, k=k, v=v, slot_mapping=step.slot_mapping, k_cache=self.k_cache,
-                   v_cache=self.v_cache)
+        be.run("kv_cache_write" + kv, k=k, v=v, slot_mapping=step.slot_mapping, k_cache=self.k_cache, v_cache=self.v_cache)
         o = torch.empty_like(q)
         cache = dict(q=q, k_cache=self.k_cache, v_cache=self.v_cache, block_table=step.block_table,
                      token_seq=step.token_seq, positions=step.positions, scale=c.head_dim ** -0.5)

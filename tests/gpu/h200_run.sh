@@ -4,7 +4,7 @@
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call; the cubins may travel packed
 # (about a quarter of the bytes: room for the whole oracle under the carry limit). `make gpu-carry` makes both.
-#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab qkkv-ab spec spec-cb spec-wy spec-dv spec-dh" (default: tests bench-27b bench-35b)
+#   STAGES="tests tune bench-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-cb spec-wy spec-dv spec-dh" (default: tests bench-27b bench-35b)
 #   MOE_FORMS="1 2" (moe-decode-ab: its forms by number, default all)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_JOBS (files at a time, default 1), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all), SPEC_SHAPES (spec: default both shapes)
 set -uo pipefail
@@ -78,11 +78,6 @@ for stage in $STAGES; do
         env $form timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b --weights q4 \
           ${BENCH35:---prompts 1024 --concurrency 1,2,8 --steps 64 --prefill-reps 1} --json "$OUT/moe-decode-ab-$i.json" 2>&1 | tee "$OUT/moe-decode-ab-$i.log"
       done ;;
-    qkkv-ab)  # the attention layers' k and v stored by the q/k prep (attn_qk_prep_kv) against attn_qk_prep + kv_cache_write
-      for shape in qwen3.6-27b qwen3.6-35b-a3b; do for on in 0 1; do
-        NINFER_ATTN_QK_PREP_KV=$on timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape $shape --weights q4 \
-          ${QKKV_AB:---prompts 1024 --concurrency 1,8 --steps 64 --prefill-reps 1} --json "$OUT/qkkv-ab-$shape-$on.json" 2>&1 | tee "$OUT/qkkv-ab-$shape-$on.log"
-      done; done ;;
     spec)  # speculative decoding against plain decoding, 27B and 35B-A3B q4, MTP and n-gram drafts (rejected, then injected)
       for shape in ${SPEC_SHAPES:-qwen3.6-27b qwen3.6-35b-a3b}; do for method in ${SPEC_METHODS:-mtp ngram}; do
         timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench spec --shape $shape --weights q4 --method $method \

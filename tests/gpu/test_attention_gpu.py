@@ -1,4 +1,4 @@
-"""Gated-attention kernels on the GPU (attn_qk_prep, attn_qk_prep_kv, kv_cache_write, paged_attention, paged_attention_split,
+"""Gated-attention kernels on the GPU (attn_qk_prep, kv_cache_write, paged_attention, paged_attention_split,
 paged_attention_verify, merge_attn_states) against the reference backend run on cloned GPU tensors (fp32 math), compared with each
 contract's named tolerance.
 
@@ -89,43 +89,16 @@ def test_attn_qk_prep_positions_in_order(be, ref):
     _check(be, ref, "attn_qk_prep", ts, dict(theta=1.0e7, rotary_dim=64, eps=1e-6), exact=("gate", "v"))
 
 
-# ---- attn_qk_prep_kv ----------------------------------------------------------------------------------
-
-def qk_prep_kv_inputs(T, NH, NKV, D, gen, BS=16):
-    """qk_prep_inputs with the paged cache in place of k and v: slots shuffled over the pages, every fourth
-    token padding (slot -1, stores nothing); the cache random, so a row stored twice or in the wrong place shows."""
-    ts = qk_prep_inputs(T, NH, NKV, D, gen)
-    del ts["k"], ts["v"]
-    NB = (T + BS - 1) // BS + 3
-    slots = torch.randperm(NB * BS, device="cuda", generator=gen)[:T].to(torch.int32)
-    slots[1::4] = -1
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16()  # noqa: E731
-    ts.update(slot_mapping=slots, k_cache=r(NB, BS, NKV, D), v_cache=r(NB, BS, NKV, D))
-    return ts
-
-
-@pytest.mark.parametrize("T", _table_ts("attn_qk_prep_kv", {"NH": 24, "NKV": 4, "D": 256}, [1]) + [7, 64, 1000])
-@pytest.mark.parametrize("problem", QK_PROBLEMS, ids=str)
-def test_attn_qk_prep_kv(be, ref, problem, T):
-    NH, NKV, D, R, theta = problem
-    gen = torch.Generator(device="cuda").manual_seed(T * 37 + D)
-    ts = qk_prep_kv_inputs(T, NH, NKV, D, gen)
-    _check(be, ref, "attn_qk_prep_kv", ts, dict(theta=theta, rotary_dim=R, eps=1e-6), exact=("gate", "v_cache"))
-
-
-QK_PREP_OPS = {"attn_qk_prep": (qk_prep_inputs, ("gate", "v")), "attn_qk_prep_kv": (qk_prep_kv_inputs, ("gate", "v_cache"))}
-
-
-@pytest.mark.parametrize("op,route", [(op, r) for op in QK_PREP_OPS for r in _instances(op)])
+@pytest.mark.parametrize("route", _instances("attn_qk_prep"))
 @pytest.mark.parametrize("T", [1, 5, 300])
 @pytest.mark.parametrize("problem", QK_PROBLEMS, ids=str)
-def test_attn_qk_prep_every_route(be, ref, op, route, problem, T):
-    """Every route instance of both q/k prep ops at a count of jobs that does and does not fill its blocks."""
+def test_attn_qk_prep_every_route(be, ref, route, problem, T):
+    """Every route instance at a count of jobs that does and does not fill its blocks."""
     NH, NKV, D, R, theta = problem
-    inputs, exact = QK_PREP_OPS[op]
     gen = torch.Generator(device="cuda").manual_seed(T * 17 + D)
-    ts = inputs(T, NH, NKV, D, gen)
-    assert _check(be, ref, op, ts, dict(theta=theta, rotary_dim=R, eps=1e-6), route=route, exact=exact) == route
+    ts = qk_prep_inputs(T, NH, NKV, D, gen)
+    assert _check(be, ref, "attn_qk_prep", ts, dict(theta=theta, rotary_dim=R, eps=1e-6), route=route,
+                  exact=("gate", "v")) == route
 
 
 # ---- kv_cache_write -----------------------------------------------------------------------------------

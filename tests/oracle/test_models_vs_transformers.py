@@ -109,16 +109,6 @@ def test_greedy_identical_with_and_without_the_gate_add_norm(models, kind, gate_
         assert fused not in ran and "sigmoid_gate_add" in ran
 
 
-@pytest.mark.parametrize("kind", ["dense", "next"])
-def test_greedy_identical_with_the_kv_stored_by_the_qk_prep(models, kind, monkeypatch):
-    """With ATTN_QK_PREP_KV every attention layer's q/k prep stores k and v in the paged cache itself
-    (attn_qk_prep_kv, no kv_cache_write), prefill chunks and decode steps alike: greedy tokens stay transformers'."""
-    from ninfer.runtime.models import blocks
-    monkeypatch.setattr(blocks, "ATTN_QK_PREP_KV", True)
-    ran = greedy_ops_match_transformers(models, kind)
-    assert "attn_qk_prep_kv" in ran and "kv_cache_write" not in ran and "attn_qk_prep" not in ran
-
-
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_batch_of_8_equals_each_alone(models, kind):
     _, art = models(kind)

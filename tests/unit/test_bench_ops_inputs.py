@@ -80,18 +80,6 @@ def test_router_norm_and_dense_gemm_inputs_are_plain_tensors():
         be.run(op, **ts)
 
 
-def test_qk_prep_kv_inputs_carry_a_cache_and_distinct_slots():
-    """attn_qk_prep_kv's cache is a state the generic inputs lack: a bf16 cache of 16-token pages, and each token
-    its own slot in it (the op's assumption)."""
-    be = ReferenceBackend()
-    dims = {"T": 20, "NH": 4, "NKV": 2, "D": 64}
-    ts = make_inputs(torch, be.contract("attn_qk_prep_kv"), "bf16", dict(dims), torch.Generator().manual_seed(0),
-                     "attn_qk_prep_kv")
-    assert tuple(ts["k_cache"].shape) == (2, 16, 2, 64) and ts["v_cache"].dtype == torch.bfloat16
-    assert len(set(ts["slot_mapping"].tolist())) == 20 and ts["slot_mapping"].dtype == torch.int32
-    be.run("attn_qk_prep_kv", **ts, theta=1.0e4, rotary_dim=16)
-
-
 def test_packed_swiglu_inputs_hold_the_gate_and_up_rows():
     """linear_swiglu_q4's packed weight is the [2I, K] matrix (its WB constraint checks the byte count)."""
     be = ReferenceBackend()

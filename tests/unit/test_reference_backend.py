@@ -116,31 +116,6 @@ def test_sigmoid_gate_add_rms_norm_zc_is_the_gate_add_then_the_add_norm(be):
     assert torch.equal(s2, s) and torch.equal(y2, y)
 
 
-def test_attn_qk_prep_kv_is_the_prep_then_the_cache_write(be):
-    """The fused op writes q, gate and the cache rows that attn_qk_prep then kv_cache_write write (fp32: exactly);
-    a padding token (slot -1) stores nothing, and slots no token names keep their contents."""
-    g = torch.Generator().manual_seed(6)
-    T, NH, NKV, D, NB, BS = 3, 4, 2, 16, 3, 4
-    prep = dict(qkv=torch.randn(T, 2 * NH * D + 2 * NKV * D, generator=g),
-                positions=torch.tensor([7, 0, 9], dtype=torch.int32), q_norm=torch.randn(D, generator=g) * 0.1,
-                k_norm=torch.randn(D, generator=g) * 0.1, theta=1.0e4, rotary_dim=8, eps=1e-6)
-    slots = torch.tensor([5, -1, 10], dtype=torch.int32)
-    cache = [torch.randn(NB, BS, NKV, D, generator=g) for _ in range(2)]
-    q, gate, k, v = torch.empty(T, NH, D), torch.empty(T, NH, D), torch.empty(T, NKV, D), torch.empty(T, NKV, D)
-    want = [c.clone() for c in cache]
-    be.run("attn_qk_prep", **prep, q=q, gate=gate, k=k, v=v)
-    be.run("kv_cache_write", k=k, v=v, slot_mapping=slots, k_cache=want[0], v_cache=want[1])
-    q2, gate2, got = torch.empty(T, NH, D), torch.empty(T, NH, D), [c.clone() for c in cache]
-    be.run("attn_qk_prep_kv", **prep, slot_mapping=slots, q=q2, gate=gate2, k_cache=got[0], v_cache=got[1])
-    assert torch.equal(q2, q) and torch.equal(gate2, gate)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    written = torch.zeros(NB * BS, dtype=torch.bool)
-    written[[5, 10]] = True
-    for c, c0 in zip(got, cache):
-        assert torch.equal(c.view(NB * BS, -1)[~written], c0.view(NB * BS, -1)[~written])
-        assert not torch.equal(c.view(NB * BS, -1)[written], c0.view(NB * BS, -1)[written])
-
-
 @pytest.mark.parametrize("fmt", ["q4", "q6", "fp8"])
 def test_moe_split_halves_compose_to_moe_experts(be, fmt):
     """moe_gate_up_<fmt> then moe_down_<fmt> (the decode form) computes moe_experts_<fmt>; a slot whose id is

@@ -185,7 +185,7 @@ def test_model_problems_are_the_linear_shapes_and_the_norms():
     assert {("linear_q4", 10240), ("linear_q4", 6144), ("linear", 10240), ("linear", 6144)} <= \
         {(op, p["N"]) for op, p in got if op.startswith("linear") and "N" in p and p["K"] == 5120}
     assert {op for op, _ in got} == {"linear", "linear_q4", "linear_swiglu_q4", "add_rms_norm_zc", "rms_norm_zc", "gdn_conv", "gdn_delta_rule",
-                                     "gdn_gated_norm", "gdn_decode", "gdn_verify", "attn_qk_prep", "attn_qk_prep_kv", "paged_attention",
+                                     "gdn_gated_norm", "gdn_decode", "gdn_verify", "attn_qk_prep", "paged_attention",
                                      "paged_attention_split", "merge_attn_states", "paged_attention_fp8",
                                      "paged_attention_split_fp8", "paged_attention_verify"}
     assert ("gdn_gated_norm", {"HV": 48, "DV": 128}) in got and ("attn_qk_prep", {"NH": 24, "NKV": 4, "D": 256}) in got
