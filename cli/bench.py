@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import click
 
-from ninfer.cli.bench_inputs import GDN_K_HEADS, SAMPLING, VERIFY_RUN, by_name, make_inputs, op_bytes, op_flops, timing_sets
+from ninfer.cli.bench_inputs import (GDN_K_HEADS, SAMPLING, VERIFY_RUN, by_name, contract_bytes, make_inputs, op_bytes,
+                                     op_flops, timing_sets)
 from ninfer.cli.bench_serve import serve_cmd
 from ninfer.cli.bench_spec import spec_cmd
 from ninfer.runtime.kv_dtype import KV_CACHE_DTYPES, kv_element_bytes
@@ -275,27 +276,38 @@ def decode_step_bytes(cfg, fig: dict, c: int, context: int) -> int:
             + c * (context * fig["kv_bytes_per_token"] + 2 * fig["gdn_state_bytes"]))
 
 
-def _profile_table(torch, events: list, title: str, copy_gbs: float, gemm_tflops: float) -> None:
-    """Per (op, route) GPU time of one eager step, and for the linear ops the fraction of their ceiling:
-    FLOPs / GEMM peak when T is large, weight bytes / copy bandwidth when T is small."""
+def _profile_table(torch, events: list, title: str, copy_gbs: float, gemm_tflops: float, contract) -> None:
+    """Per (op, route) GPU time of one eager step and the fraction of its ceiling: for the linear ops FLOPs / GEMM peak
+    and weight bytes / copy bandwidth, for the others the bytes their contract moves (contract_bytes) / copy
+    bandwidth; then the ops that lose the most time against the copy ceiling (which op is furthest from it)."""
     torch.cuda.synchronize()
     agg: dict = {}
     for op, inst, dims, start, end in events:
-        a = agg.setdefault((op, inst), [0, 0.0, 0, 0])       # calls, ms, flops, weight bytes
+        a = agg.setdefault((op, inst), [0, 0.0, 0, 0])       # calls, ms, flops, bytes (None: not known)
         a[0] += 1
         a[1] += start.elapsed_time(end)
         if op.startswith("linear"):
             a[2] += op_flops(op, dims["T"], dims)
             a[3] += dims.get("WB", op_flops(op, 1, dims))   # bf16 weights: 2 bytes per multiply-add of one token
+        else:
+            nbytes = contract_bytes(contract(op), dims)
+            a[3] = None if nbytes is None or a[3] is None else a[3] + nbytes
     total = sum(a[1] for a in agg.values())
     click.echo(f"{title}: {total:.2f} ms of kernels in {sum(a[0] for a in agg.values())} launches")
-    for (op, inst), (n, ms, flops, wbytes) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
+    lost = {}
+    for (op, inst), (n, ms, flops, nbytes) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
         extra = ""
         if flops:
-            tf, gbs = flops / (ms * 1e-3) / 1e12, wbytes / (ms * 1e-3) / 1e9
-            extra = (f"{tf:6.1f} TFLOP/s = {100 * tf / gemm_tflops:5.1f} % of peak; weights {gbs:7.0f} GB/s = "
-                     f"{100 * gbs / copy_gbs:5.1f} % of copy")
+            tf = flops / (ms * 1e-3) / 1e12
+            extra = f"{tf:6.1f} TFLOP/s = {100 * tf / gemm_tflops:5.1f} % of peak; weights "
+        if nbytes:
+            gbs = nbytes / (ms * 1e-3) / 1e9
+            extra += f"{gbs:7.0f} GB/s = {100 * gbs / copy_gbs:5.1f} % of copy"
+            lost[(op, inst)] = ms - nbytes / (copy_gbs * 1e9) * 1e3
         click.echo(f"  {op:<18} {inst:<24} {n:5d} calls {ms:9.3f} ms {100 * ms / total:5.1f} %  {extra}")
+    worst = sorted(lost.items(), key=lambda kv: -kv[1])[:5]
+    click.echo("  furthest from the copy ceiling (ms above bytes / copy rate): "
+               + ", ".join(f"{op} {inst} {ms:.3f}" for (op, inst), ms in worst))
 
 
 def _graph_profile(torch, eng, live, step_secs: float, steps: int = 8) -> None:
@@ -418,10 +430,11 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
                 if seq.prefilled + eng.prefill_chunk >= len(seq.prompt):   # keep only the last chunk (most context)
                     eng.be.profile = []
             _profile_table(torch, eng.be.profile, f"profile: last prefill chunk of a {profile}-token prompt",
-                           copy_gbs, gemm_tflops)
+                           copy_gbs, gemm_tflops, eng.be.contract)
             eng.be.profile = []
             eng.decode([seq])
-            _profile_table(torch, eng.be.profile, "profile: one eager decode step, C=1", copy_gbs, gemm_tflops)
+            _profile_table(torch, eng.be.profile, "profile: one eager decode step, C=1", copy_gbs, gemm_tflops,
+                           eng.be.contract)
         finally:
             eng.be.profile, eng.graphs = None, graphs
             eng.release(seq)

@@ -42,6 +42,30 @@ def timing_sets(torch, op: str, base: dict, dims: dict, rng, factor: int = 3, mo
     return moe_sets(torch, base, dims, rng, n=most) if is_expert_op(op) else rotating_sets(base, factor, most)
 
 
+# contract tensors an op reads only part of: a paged KV cache, the routed experts' weights, an embedding table
+PARTLY_READ = ("k_cache", "v_cache", "gate_up", "down", "table")
+
+
+def contract_bytes(contract: dict, dims: dict, dtype: str = "bf16") -> int | None:
+    """Bytes an op must move by its contract at these bound dims: each input read once, each output written once,
+    each state read and written for the sequences of the step only (a state pool's leading NS dim counts S, else T,
+    slots); None where a tensor is only partly read (PARTLY_READ)."""
+    import math
+
+    from ninfer.runtime.contracts import TORCH_DTYPES, shape_of
+    groups = [(contract["inputs"], 1), (contract["outputs"], 1), (contract.get("states", {}), 2)]
+    if any(name in PARTLY_READ for g, _ in groups for name in g):
+        return None
+    total = 0
+    for g, times in groups:
+        for spec in g.values():
+            shape = shape_of(spec, dims)
+            if spec["shape"][0] == "NS":
+                shape[0] = dims.get("S", dims["T"])
+            total += times * math.prod(shape) * TORCH_DTYPES[dtype if spec["dtype"] == "$dtype" else spec["dtype"]].itemsize
+    return total
+
+
 def op_bytes(op, tensors, dims) -> int:
     """Fewest bytes the op must move: each input read once, each output written once (MoE experts: only the
     experts the tokens choose)."""

@@ -3,7 +3,7 @@ dequant: built on the CPU here, the GPU uses the same code; and `ninfer-bench mo
 import torch
 
 from ninfer.cli.bench import omit_launches
-from ninfer.cli.bench_inputs import SAMPLING, _make_moe, by_name, make_inputs, moe_sets, op_bytes
+from ninfer.cli.bench_inputs import SAMPLING, _make_moe, by_name, contract_bytes, make_inputs, moe_sets, op_bytes
 from ninfer.runtime.dispatch import ReferenceBackend
 from ninfer.runtime.formats import nbytes
 from ninfer.runtime.manifest import Manifest
@@ -231,3 +231,55 @@ def test_w8a8_inputs_are_finite_codes_and_run():
     codes = make_inputs(torch, be.contract("linear_fp8_w8a8"), "bf16", {"T": 64, "N": 128, "K": 4096}, rng,
                         "linear_fp8_w8a8")["xq"]
     assert not ((codes & 0x7F) == 0x7F).any() and (codes >= 0x80).any() and (codes == 0x7E).any()
+
+
+def bound(be, op, ts, **params):
+    """The dims an op's launch binds from these tensors (what the model bench's profile events carry)."""
+    from ninfer.runtime.contracts import bind
+    return bind(op, be.contract(op), "bf16", ts, params)[0]
+
+
+def test_contract_bytes_count_each_tensor_once_and_the_step_slots_of_a_state_pool():
+    be, g = ReferenceBackend(), torch.Generator().manual_seed(1)
+    dims = {"T": 3, "H": 64}
+    ts = make_inputs(torch, be.contract("add_rms_norm_zc"), "bf16", dict(dims), g, "add_rms_norm_zc")
+    assert contract_bytes(be.contract("add_rms_norm_zc"), bound(be, "add_rms_norm_zc", ts)) == 2 * (4 * 3 * 64 + 64)
+    # gdn_decode over a pool of exactly its T slots: the bench's own count (states read and written)
+    dims = {"T": 3, "H": 64, "HK": 2, "R": 2, "DK": 32, "DV": 32}
+    ts = make_inputs(torch, be.contract("gdn_decode"), "bf16", dict(dims), g, "gdn_decode")
+    c = be.contract("gdn_decode")
+    assert contract_bytes(c, bound(be, "gdn_decode", ts, scale=1.0)) == op_bytes("gdn_decode", ts, dims)
+    # the same step in a pool of 8 slots moves the same bytes
+    pool = {k: torch.cat([ts[k]] * 3)[:8] for k in ("state", "conv_state")}
+    assert contract_bytes(c, bound(be, "gdn_decode", {**ts, **pool}, scale=1.0)) == op_bytes("gdn_decode", ts, dims)
+    # a paged KV cache is read only where the sequences' pages are: not counted
+    assert contract_bytes(be.contract("paged_attention"), {}) is None
+
+
+def test_the_step_profile_ranks_the_ops_furthest_from_the_copy_ceiling(capsys):
+    """_profile_table (ninfer-bench model --profile) prints each op's GB/s against the copy rate, the linear ops'
+    weights and the others' contract bytes, and names the ops that lose the most time against it."""
+    import types
+
+    from ninfer.cli.bench import _profile_table
+    be, g = ReferenceBackend(), torch.Generator().manual_seed(2)
+    norm = bound(be, "add_rms_norm_zc", make_inputs(torch, be.contract("add_rms_norm_zc"), "bf16", {"T": 1, "H": 5120},
+                                                     g, "add_rms_norm_zc"))
+    lin = {"T": 1, "N": 5120, "K": 6144, "WB": nbytes("q4", (5120, 6144))}
+
+    class Ev:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
+    events = [("add_rms_norm_zc", "row_reg.t640v1", norm, Ev(0.0), Ev(0.002)),        # 51 KB in 2 us
+              ("linear_q4", "gemv_splitk.t1u2k2px", lin, Ev(0.0), Ev(0.008))]         # 16.7 MB in 8 us
+    _profile_table(fake, events, "profile", 4000.0, 800.0, be.contract)
+    out = capsys.readouterr().out
+    norm_row = next(line for line in out.splitlines() if line.strip().startswith("add_rms_norm_zc"))
+    assert "26 GB/s =   0.6 % of copy" in norm_row
+    assert "% of copy" in next(line for line in out.splitlines() if line.strip().startswith("linear_q4"))
+    worst = out.splitlines()[-1]
+    assert worst.index("linear_q4") < worst.index("add_rms_norm_zc")   # 8 - 4.2 us lost against 2 - 0.01
