@@ -4,6 +4,7 @@ and the bytes and FLOPs the op must move and do (the roofline of each figure).""
 from __future__ import annotations
 
 import itertools
+import math
 
 ATTN_CONTEXT = 8192
 ATTN_DECODE_MAX_T = 64   # paged_attention inputs: up to this T a decode step of T sequences, above it a prefill chunk
@@ -46,12 +47,10 @@ def timing_sets(torch, op: str, base: dict, dims: dict, rng, factor: int = 3, mo
 PARTLY_READ = ("k_cache", "v_cache", "gate_up", "down", "table")
 
 
-def contract_bytes(contract: dict, dims: dict, dtype: str = "bf16") -> int | None:
+def contract_bytes(contract: dict, dims: dict) -> int | None:
     """Bytes an op must move by its contract at these bound dims: each input read once, each output written once,
     each state read and written for the sequences of the step only (a state pool's leading NS dim counts S, else T,
-    slots); None where a tensor is only partly read (PARTLY_READ)."""
-    import math
-
+    slots); None where a tensor is only partly read (PARTLY_READ). $dtype tensors count as bf16 (the benches' dtype)."""
     from ninfer.runtime.contracts import TORCH_DTYPES, shape_of
     groups = [(contract["inputs"], 1), (contract["outputs"], 1), (contract.get("states", {}), 2)]
     if any(name in PARTLY_READ for g, _ in groups for name in g):
@@ -62,7 +61,7 @@ def contract_bytes(contract: dict, dims: dict, dtype: str = "bf16") -> int | Non
             shape = shape_of(spec, dims)
             if spec["shape"][0] == "NS":
                 shape[0] = dims.get("S", dims["T"])
-            total += times * math.prod(shape) * TORCH_DTYPES[dtype if spec["dtype"] == "$dtype" else spec["dtype"]].itemsize
+            total += times * math.prod(shape) * TORCH_DTYPES["bf16" if spec["dtype"] == "$dtype" else spec["dtype"]].itemsize
     return total
 
 

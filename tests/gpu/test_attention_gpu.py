@@ -81,14 +81,6 @@ def test_attn_qk_prep(be, ref, problem, T):
     _check(be, ref, "attn_qk_prep", ts, dict(theta=theta, rotary_dim=R, eps=1e-6), exact=("gate", "v"))
 
 
-def test_attn_qk_prep_positions_in_order(be, ref):
-    """A prefill chunk: positions 5000..6023, as the engine sends them."""
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    ts = qk_prep_inputs(1024, 24, 4, 256, gen)
-    ts["positions"] = torch.arange(5000, 6024, device="cuda", dtype=torch.int32)
-    _check(be, ref, "attn_qk_prep", ts, dict(theta=1.0e7, rotary_dim=64, eps=1e-6), exact=("gate", "v"))
-
-
 @pytest.mark.parametrize("route", _instances("attn_qk_prep"))
 @pytest.mark.parametrize("T", [1, 5, 300])
 @pytest.mark.parametrize("problem", QK_PROBLEMS, ids=str)
@@ -99,6 +91,14 @@ def test_attn_qk_prep_every_route(be, ref, route, problem, T):
     ts = qk_prep_inputs(T, NH, NKV, D, gen)
     assert _check(be, ref, "attn_qk_prep", ts, dict(theta=theta, rotary_dim=R, eps=1e-6), route=route,
                   exact=("gate", "v")) == route
+
+
+def test_attn_qk_prep_positions_in_order(be, ref):
+    """A prefill chunk: positions 5000..6023, as the engine sends them."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    ts = qk_prep_inputs(1024, 24, 4, 256, gen)
+    ts["positions"] = torch.arange(5000, 6024, device="cuda", dtype=torch.int32)
+    _check(be, ref, "attn_qk_prep", ts, dict(theta=1.0e7, rotary_dim=64, eps=1e-6), exact=("gate", "v"))
 
 
 # ---- kv_cache_write -----------------------------------------------------------------------------------
