@@ -164,7 +164,8 @@ OP_PARAMS = {"gdn_delta_rule": {"num_k_heads": GDN_K_HEADS, "scale": 128 ** -0.5
              "sample": {"domain": 248077}}
 
 
-def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None, routes: tuple[str, ...] = ()) -> None:
+def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None, routes: tuple[str, ...] = (),
+              tokens: tuple[int, ...] = ()) -> None:
     import fnmatch
 
     import torch
@@ -191,6 +192,8 @@ def bench_ops(ops: tuple[str, ...], reps: int, json_out: str | None, routes: tup
             continue
         contract = be.contract(op)
         for T in Ts:
+            if tokens and T not in tokens:
+                continue
             dims = {"T": T, **problem}
             instances = sorted({k.instance for k in be.manifest.kernels.values() if k.op == op and k.arch == dev.arch
                                 and (not routes or any(fnmatch.fnmatch(k.instance, r) for r in routes))})
@@ -236,15 +239,16 @@ def main() -> None:
 @click.option("--op", "ops", multiple=True, help="only these ops (repeatable)")
 @click.option("--route", "routes", multiple=True, help="only route instances matching this pattern, e.g. 'prefill*' "
               "(repeatable)")
+@click.option("--tokens", "tokens", multiple=True, type=int, help="only these token counts T (repeatable)")
 @click.option("--reps", default=30, show_default=True)
 @click.option("--json", "json_out", type=click.Path(), help="also write the rows to this JSON file")
-def ops_cmd(ops, routes, reps, json_out) -> None:
+def ops_cmd(ops, routes, tokens, reps, json_out) -> None:
     """Time each route of each op at the 27B shapes (events, warm-up, median)."""
     from ninfer.runtime.cuda import gpu_available
     if not gpu_available():
         click.echo("ninfer-bench ops: needs a CUDA GPU (none found)", err=True)
         sys.exit(2)
-    bench_ops(ops, reps, json_out, routes)
+    bench_ops(ops, reps, json_out, routes, tokens)
 
 
 def model_figures(cfg, n_prompt_tokens: int, fmt: str = "bf16", kv_bytes: int = 2) -> dict:

@@ -4,9 +4,9 @@
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call; the cubins may travel packed
 # (about a quarter of the bytes: room for the whole oracle under the carry limit). `make gpu-carry` makes both.
-#   STAGES="tests tune bench-ops ncu-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-cb spec-wy spec-dv spec-dh" (default: tests bench-27b bench-35b)
+#   STAGES="tests racecheck tune bench-ops ncu-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-cb spec-wy spec-dv spec-dh" (default: tests bench-27b bench-35b)
 #   MOE_FORMS="1 2" (moe-decode-ab: its forms by number, default all)
-#   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_JOBS (files at a time, default 1), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all), SPEC_SHAPES (spec: default both shapes)
+#   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_JOBS (files at a time, default 1), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all), BENCH_T="4 32" (default: all), SPEC_SHAPES (spec: default both shapes)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
 ROOT=$(pwd)
@@ -25,6 +25,10 @@ test_file() {
     > "$OUT/$name.log" 2>&1
   echo "$name: $(tail -1 "$OUT/$name.log")"
 }
+bench_filter() {  # ninfer-bench ops' filters from BENCH_OPS, BENCH_ROUTES and BENCH_T (token counts)
+  for o in ${BENCH_OPS:-}; do echo --op $o; done; for r in ${BENCH_ROUTES:-}; do echo --route $r; done
+  for t in ${BENCH_T:-}; do echo --tokens $t; done
+}
 run_tests() {  # each file in its own process (a faulting kernel must not hide the other results), TEST_JOBS at a time
   { for f in ${TESTS:-tests/gpu/test_*_gpu.py}; do
       test_file "$f" &
@@ -42,14 +46,23 @@ for stage in $STAGES; do
         tail -2 "$OUT/tune.log"
       done
       cp specs/tuned/*.yaml "$OUT/"; $PY -m ninfer.codegen > /dev/null ;;
-    bench-ops) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench ops $(for o in ${BENCH_OPS:-}; do echo --op $o; done) $(for r in ${BENCH_ROUTES:-}; do echo --route $r; done) --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
-    ncu-ops)  # ninfer-bench ops (BENCH_OPS, BENCH_ROUTES) under Nsight Compute: where a kernel's time goes (stall reasons, per line).
-      # NCU_KERNEL: a kernel-name regex (the generated symbols name op and route); NCU_COUNT launches profiled (default 2).
-      # The clocks stay as they are (--clock-control none: the device's METHOD.md). The report comes back as text.
-      timeout ${BENCH_TIMEOUT:-500} ncu --clock-control none --kernel-name "regex:${NCU_KERNEL:-.}" --launch-count ${NCU_COUNT:-2} \
-        --set full --import-source no --page details --print-details all \
-        $PY -m ninfer.cli.bench ops $(for o in ${BENCH_OPS:-}; do echo --op $o; done) $(for r in ${BENCH_ROUTES:-}; do echo --route $r; done) \
-        --reps 3 > "$OUT/ncu-ops.log" 2>&1; grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|Stall|Registers Per|Achieved Occupancy" "$OUT/ncu-ops.log" | head -60 ;;
+    bench-ops) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench ops $(bench_filter) --json "$OUT/bench-ops.json" > "$OUT/bench-ops.log" 2>&1; tail -30 "$OUT/bench-ops.log" ;;
+    ncu-ops)  # ninfer-bench ops (BENCH_OPS, BENCH_ROUTES, BENCH_T) under Nsight Compute: where a kernel's time goes (stall
+      # reasons; per SASS instruction in ncu-sass.log). NCU_KERNEL: a kernel-name regex (the generated symbols name op and
+      # route); NCU_SKIP matching launches skipped, then NCU_COUNT profiled (default 0 / 2). The clocks stay as they are
+      # (--clock-control none: the device's METHOD.md). The reports come back as text.
+      timeout ${BENCH_TIMEOUT:-500} ncu --clock-control none --kernel-name "regex:${NCU_KERNEL:-.}" --launch-skip ${NCU_SKIP:-0} \
+        --launch-count ${NCU_COUNT:-2} --set full --import-source no -o /tmp/ncu-ops -f \
+        $PY -m ninfer.cli.bench ops $(bench_filter) --reps 3 > "$OUT/ncu-run.log" 2>&1
+      ncu --import /tmp/ncu-ops.ncu-rep --page details --print-details all > "$OUT/ncu-ops.log" 2>&1
+      ncu --import /tmp/ncu-ops.ncu-rep --page source --print-source sass > "$OUT/ncu-sass.log" 2>&1
+      grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|Stall|Registers Per|Achieved Occupancy" "$OUT/ncu-ops.log" | head -60 ;;
+    racecheck)  # compute-sanitizer's shared-memory race check over TESTS (TEST_K): one process, the first hazards reported
+      for f in ${TESTS:-tests/gpu/test_gdn_verify_gpu.py}; do
+        timeout ${TEST_TIMEOUT:-420} compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 20 \
+          $PY -m pytest -q -m gpu "$f" -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} > "$OUT/racecheck-$(basename "$f" .py).log" 2>&1
+        tail -4 "$OUT/racecheck-$(basename "$f" .py).log"
+      done ;;
     bench-27b) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b ${BENCH27:-} --json "$OUT/bench-27b.json" 2>&1 | tee "$OUT/bench-27b.log" ;;
     bench-27b-bf16) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-27b --weights bf16 ${BENCH27_BF16:-} --json "$OUT/bench-27b-bf16.json" 2>&1 | tee "$OUT/bench-27b-bf16.log" ;;
     bench-serve) timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench serve --resources-from .carry/demo/demo.ninfer --workdir /tmp/ninfer-bench ${BENCH_SERVE:-} --json "$OUT/bench-serve.json" 2>"$OUT/bench-serve.err" | tee "$OUT/bench-serve.log"; tail -5 "$OUT/bench-serve.err" ;;
