@@ -280,6 +280,9 @@ def decode_step_bytes(cfg, fig: dict, c: int, context: int) -> int:
             + c * (context * fig["kv_bytes_per_token"] + 2 * fig["gdn_state_bytes"]))
 
 
+PROFILE_HOLD_CYCLES = 400_000_000   # ~0.2 s at 2 GHz: longer than the host takes to enqueue one eager step
+
+
 def _profile_table(torch, events: list, title: str, copy_gbs: float, gemm_tflops: float, contract) -> None:
     """Per (op, route) GPU time of one eager step and the fraction of its ceiling: for the linear ops FLOPs / GEMM peak
     and weight bytes / copy bandwidth, for the others the bytes their contract moves (contract_bytes) / copy
@@ -425,22 +428,32 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         rows.append({"kind": "prefill", "tokens": n, "tok_s": tps, "ttft_s": secs, "peak_frac": frac})
         click.echo(f"prefill {n:>6} tokens: {tps:>9,.0f} tok/s  TTFT {secs:6.2f} s  {100 * frac:5.1f} % of "
                    f"{'FP8' if fp8_tflops else 'bf16'} peak")
-    if profile:  # one eager prefill chunk and one eager decode step, op by op
+    if profile:  # one eager prefill chunk and one eager decode step, op by op, each op's own GPU time: PDL off (a
+        # kernel would otherwise start early and count its wait for the one before) and the stream held by a sleep
+        # kernel while the host enqueues the step (an op's events would otherwise count the host's launch time)
         seq = eng.open(ids(profile), max_new=2)
-        graphs, eng.graphs = eng.graphs, None
+        graphs, eng.graphs, eng.be.pdl = eng.graphs, None, False
         try:
             eng.be.profile = []
-            while not eng.prefill(seq):
-                if seq.prefilled + eng.prefill_chunk >= len(seq.prompt):   # keep only the last chunk (most context)
-                    eng.be.profile = []
+            while seq.prefilled + eng.prefill_chunk < len(seq.prompt):   # keep only the last chunk (most context)
+                eng.prefill(seq)
+            torch.cuda.synchronize()
+            eng.be.profile = []
+            torch.cuda._sleep(PROFILE_HOLD_CYCLES)
+            done = eng.prefill(seq)
             _profile_table(torch, eng.be.profile, f"profile: last prefill chunk of a {profile}-token prompt",
                            copy_gbs, gemm_tflops, eng.be.contract)
+            while not done:   # a chunk cut short at a prefix-cache snapshot
+                done = eng.prefill(seq)
+            torch.cuda.synchronize()
             eng.be.profile = []
+            torch.cuda._sleep(PROFILE_HOLD_CYCLES)
             eng.decode([seq])
             _profile_table(torch, eng.be.profile, "profile: one eager decode step, C=1", copy_gbs, gemm_tflops,
                            eng.be.contract)
         finally:
             eng.be.profile, eng.graphs = None, graphs
+            del eng.be.pdl                  # back to the class setting
             eng.release(seq)
 
     def decode_secs(live) -> dict:

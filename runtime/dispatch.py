@@ -164,7 +164,8 @@ class CudaBackend(Backend):
                   f"{self.device.name} ({self.device.arch}): using the default tables", file=sys.stderr)
 
     PLAN_CACHE = 8192
-    # programmatic dependent launch for kernels that support it (sm_90+); NINFER_PDL=0 turns it off (A/B runs)
+    # programmatic dependent launch for kernels that support it (sm_90+); NINFER_PDL=0 turns it off (A/B runs; an
+    # instance may set it too: plans are cached per setting)
     pdl = os.environ.get("NINFER_PDL", "1") != "0"
     # set to a list to record (op, route instance, dims, start, end) CUDA events of every run() (eager calls;
     # graph replays are not seen): `ninfer-bench model --profile` reads it
@@ -185,7 +186,7 @@ class CudaBackend(Backend):
         """Plans are cached by everything that determines them (op, route, each tensor's address, shape,
         strides and dtype, each scalar): eager prefill re-plans ~800 calls per chunk and the caching allocator hands out
         the same buffers chunk after chunk, so a repeat costs a dict lookup instead of a bind + resolve."""
-        key = (op, route, self._side, *((k, v.data_ptr(), v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor)
+        key = (op, route, self._side, self.pdl, *((k, v.data_ptr(), v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor)
                                         else (k, v) for k, v in args.items()))
         hit = self._plans.get(key)
         if hit is not None:
