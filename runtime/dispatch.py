@@ -186,8 +186,9 @@ class CudaBackend(Backend):
         """Plans are cached by everything that determines them (op, route, each tensor's address, shape,
         strides and dtype, each scalar): eager prefill re-plans ~800 calls per chunk and the caching allocator hands out
         the same buffers chunk after chunk, so a repeat costs a dict lookup instead of a bind + resolve."""
-        key = (op, route, self._side, self.pdl, *((k, v.data_ptr(), v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor)
-                                        else (k, v) for k, v in args.items()))
+        key = (op, route, self._side, self.pdl,
+               *((k, v.data_ptr(), v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor) else (k, v)
+                 for k, v in args.items()))
         hit = self._plans.get(key)
         if hit is not None:
             self._plans.move_to_end(key)
