@@ -428,11 +428,11 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         rows.append({"kind": "prefill", "tokens": n, "tok_s": tps, "ttft_s": secs, "peak_frac": frac})
         click.echo(f"prefill {n:>6} tokens: {tps:>9,.0f} tok/s  TTFT {secs:6.2f} s  {100 * frac:5.1f} % of "
                    f"{'FP8' if fp8_tflops else 'bf16'} peak")
-    if profile:  # one eager prefill chunk and one eager decode step, op by op, each op's own GPU time: PDL off (a
-        # kernel would otherwise start early and count its wait for the one before) and the stream held by a sleep
-        # kernel while the host enqueues the step (an op's events would otherwise count the host's launch time)
+    if profile:  # one eager prefill chunk and one eager decode step, op by op, each op's own GPU time: the backend's
+        # profile mode launches without PDL, and a sleep kernel holds the stream while the host enqueues the step (an
+        # op's events would otherwise count the host's launch time)
         seq = eng.open(ids(profile), max_new=2)
-        graphs, eng.graphs, eng.be.pdl = eng.graphs, None, False
+        graphs, eng.graphs = eng.graphs, None
         try:
             eng.be.profile = []
             while seq.prefilled + eng.prefill_chunk < len(seq.prompt):   # keep only the last chunk (most context)
@@ -453,7 +453,6 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
                            eng.be.contract)
         finally:
             eng.be.profile, eng.graphs = None, graphs
-            del eng.be.pdl                  # back to the class setting
             eng.release(seq)
 
     def decode_secs(live) -> dict:

@@ -164,12 +164,16 @@ class CudaBackend(Backend):
                   f"{self.device.name} ({self.device.arch}): using the default tables", file=sys.stderr)
 
     PLAN_CACHE = 8192
-    # programmatic dependent launch for kernels that support it (sm_90+); NINFER_PDL=0 turns it off (A/B runs; an
-    # instance may set it too: plans are cached per setting)
+    # programmatic dependent launch for kernels that support it (sm_90+); NINFER_PDL=0 turns it off (A/B runs)
     pdl = os.environ.get("NINFER_PDL", "1") != "0"
     # set to a list to record (op, route instance, dims, start, end) CUDA events of every run() (eager calls;
-    # graph replays are not seen): `ninfer-bench model --profile` reads it
+    # graph replays are not seen): `ninfer-bench model --profile` reads it. Launches planned meanwhile go without
+    # PDL (plans are cached per setting): a kernel let in early would count its wait for the one before.
     profile: list | None = None
+
+    @property
+    def _pdl_now(self) -> bool:
+        return self.pdl and self.profile is None
 
     def run(self, op: str, *, route: str | None = None, **args) -> None:
         launch = self.plan(op, route=route, **args)
@@ -186,7 +190,7 @@ class CudaBackend(Backend):
         """Plans are cached by everything that determines them (op, route, each tensor's address, shape,
         strides and dtype, each scalar): eager prefill re-plans ~800 calls per chunk and the caching allocator hands out
         the same buffers chunk after chunk, so a repeat costs a dict lookup instead of a bind + resolve."""
-        key = (op, route, self._side, self.pdl,
+        key = (op, route, self._side, self._pdl_now,
                *((k, v.data_ptr(), v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor) else (k, v)
                  for k, v in args.items()))
         hit = self._plans.get(key)
@@ -305,7 +309,7 @@ class CudaBackend(Backend):
                 values.append(ctypes.c_float(params[a]))
             else:
                 values.append(ctypes.c_int32(params[a]))
-        pdl = self.pdl and kernel.data.get("pdl", False) and self.device.cc >= 90
+        pdl = self._pdl_now and kernel.data.get("pdl", False) and self.device.cc >= 90
 
         def launch_of(geometry: dict, pre: bool = False):   # geometry: the kernel's record, or its `pre` entry
             grid = tuple(int(evaluate(g, env)) for g in geometry["grid"])
