@@ -4,7 +4,7 @@
 # namespace folder of links instead of a pip install. build/cubins (compiled on the CPU machine; NVRTC
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call; the cubins may travel packed
 # (about a quarter of the bytes: room for the whole oracle under the carry limit). `make gpu-carry` makes both.
-#   STAGES="tests racecheck tune bench-ops ncu-ops bench-27b bench-35b bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-cb spec-wy spec-dv spec-dh" (default: tests bench-27b bench-35b)
+#   STAGES="tests racecheck tune bench-ops ncu-ops bench-27b bench-27b-bf16 bench-35b bench-35b-bf16 bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-cb spec-wy spec-dv spec-dh" (default: tests bench-27b bench-35b)
 #   MOE_FORMS="1 2" (moe-decode-ab: its forms by number, default all)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_JOBS (files at a time, default 1), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all), BENCH_T="4 32" (default: all), SPEC_SHAPES (spec: default both shapes)
 set -uo pipefail
