@@ -130,7 +130,7 @@ def build_manifest_and_sources(specs: SpecSet, templates: Path) -> tuple[dict, d
                             "args": low["args"], "grid": low["grid"], "block": low["block"], "smem": low["smem"],
                             "constraints": low["constraints"], "line_map": line_map,
                             # launched with programmatic stream serialization on sm_90+ (_pdl.cuh.j2)
-                            "pdl": "nf_pdl_enter();" in text or "nf_pdl_enter_late();" in text}
+                            "pdl": "nf_pdl_enter();" in text}
                         if "pre" in low:
                             record["pre"] = {"symbol": symbol + "_pre", **low["pre"]}
                         if "workspace" in low:

@@ -91,10 +91,9 @@ for stage in $STAGES; do
         NINFER_FP8_W8A8_MIN_T=$min_t timeout 120 $PY -m ninfer.cli.perplexity kl .carry/oracle/dense.fp8.ninfer .carry/oracle/dense.ninfer \
           --ids "$OUT/kl-ids.txt" --window 512 --backend cuda --json 2>&1 | tee "$OUT/w8a8-kl-$min_t.log" | tail -1
       done ;;
-    moe-decode-ab)  # 35B-A3B q4 decode: the gate add outside the add-norm, then inside (the default); moe_down's pre tiles
-      # against the same tile without (both forced, so a forced route's own cost cancels). MOE_FORMS: which, by number
-      forms=("NINFER_MOE_GATE_ADD_NORM=0" "NINFER_MOE_GATE_ADD_NORM=1" "NINFER_ROUTES=moe_down_q4=gemv.t2k8" "NINFER_ROUTES=moe_down_q4=gemv.t2k8p")
-      for i in ${MOE_FORMS:-1 2 3 4}; do form=${forms[$((i - 1))]}; echo "# form $i: $form"
+    moe-decode-ab)  # 35B-A3B q4 decode: the gate add outside the add-norm, then inside (the default). MOE_FORMS: which, by number
+      forms=("NINFER_MOE_GATE_ADD_NORM=0" "NINFER_MOE_GATE_ADD_NORM=1")
+      for i in ${MOE_FORMS:-1 2}; do form=${forms[$((i - 1))]}; echo "# form $i: $form"
         env $form timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b --weights q4 \
           ${BENCH35:---prompts 1024 --concurrency 1,2,8 --steps 64 --prefill-reps 1} --json "$OUT/moe-decode-ab-$i.json" 2>&1 | tee "$OUT/moe-decode-ab-$i.log"
       done ;;

@@ -2,13 +2,11 @@
 with the contracts' tolerances: the decode form (moe_gate_up_<fmt>, then moe_down_<fmt>) and the prefill form
 (moe_align, moe_gate_up_grouped_<fmt>, moe_down_grouped_<fmt>, moe_sum), every route instance, the
 Qwen3.6-35B-A3B shape and small shapes whose expert slices start mid-tile, ids outside [0, E), poisoned
-unselected experts, CUDA-graph capture (moe_down's pre tiles after moe_topk too); each form end to end against
-moe_experts_<fmt>. A file of its own: each
+unselected experts, CUDA-graph capture; each form end to end against moe_experts_<fmt>. A file of its own: each
 GPU test file runs in its own process under a time limit (tests/gpu/h200_run.sh)."""
 import pytest
 import torch
 
-from ninfer.runtime.decode_graph import capture
 from ninfer.runtime.reference_quant import PACKED, moe_op
 from tests.gpu.test_moe_packed_gpu import (ODD, REAL, SMALL, check, check_replays, gen, inputs, instances, name,
                                            nan_like, poison_unselected, reference)
@@ -99,41 +97,6 @@ def test_split_cuda_graph_t1(be, ref):
         dn()
     check_replays(be, f"moe_down_{fmt}", both, y, ins, shape, 4321, lambda: split_reference(ref, fmt, ins, shape)[1],
                   "split form")
-
-
-@pytest.mark.parametrize("T", [1, 2])
-def test_split_pre_tiles_read_the_routing_of_this_step(be, ref, T):
-    """moe_down's pre tiles read ids and weights before their PDL wait: in a graph of moe_topk, moe_gate_up and
-    moe_down (the model's order), replayed on new router logits, each replay's y is the one of that replay's routing
-    (a read that ran ahead of moe_topk would see the previous replay's)."""
-    fmt, shape = "q4", REAL
-    for dn_route in [i for i in instances(be, f"moe_down_{fmt}") if i.endswith("p")]:
-        ins = inputs((fmt, fmt), shape, T, seed=90 + T)
-        g = gen(91 + T)
-        logits = torch.randn(T, shape["E"], device="cuda", generator=g)
-        h = torch.full((T, shape["K"], shape["I"]), float("nan"), device="cuda")
-        y = nan_like((T, shape["H"]))
-        plans = [be.plan("moe_topk", logits=logits, weights=ins["weights"], ids=ins["ids"], renormalize=1),
-                 be.plan(f"moe_gate_up_{fmt}", x=ins["x"], gate_up=ins["gate_up"], ids=ins["ids"], h=h, E=shape["E"]),
-                 be.plan(f"moe_down_{fmt}", route=dn_route, h=h, down=ins["down"], weights=ins["weights"],
-                         ids=ins["ids"], y=y, E=shape["E"])]
-
-        def step():
-            for p in plans:
-                p()
-        graph = capture(step)
-        for trial in range(3):
-            logits.copy_(torch.randn(T, shape["E"], device="cuda", generator=g) * 3)
-            ins["x"].copy_(torch.randn(T, shape["H"], device="cuda", generator=g).bfloat16())
-            y.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            rw = torch.full((T, shape["K"]), float("nan"), device="cuda")
-            rids = torch.full((T, shape["K"]), -7, dtype=torch.int32, device="cuda")
-            ref.run("moe_topk", logits=logits.clone(), weights=rw, ids=rids, renormalize=1)
-            assert torch.equal(rids, ins["ids"]), f"replay {trial}: moe_topk's ids"
-            want = split_reference(ref, fmt, ins, shape)[1]
-            check(be, f"moe_down_{fmt}", y, want, f"moe_topk + split form via {dn_route}, graph replay {trial}")
 
 
 # ---- the grouped form: moe_align, moe_gate_up_grouped_<fmt>, moe_down_grouped_<fmt>, moe_sum -------------------------

@@ -72,15 +72,14 @@ def test_line_map_points_into_templates(spec_tree, tmp_path):
 
 def test_every_kernel_enters_through_pdl(spec_tree, tmp_path):
     """The runtime launches a kernel with programmatic dependent launch only when its manifest entry says
-    pdl; every template's kernel must wait for its predecessor (nf_pdl_enter, or moe_gate_up's nf_pdl_enter_late)
-    before it reads or writes."""
+    pdl; every template's kernel must wait for its predecessor (nf_pdl_enter) before it reads or writes."""
     out = tmp_path / "gen"
     m = generate(*spec_tree, out)
     for key, k in m["kernels"].items():
         src = (out / k["source"]).read_text()
         assert k["pdl"] is True, key
         # one wait per kernel
-        assert src.count("nf_pdl_enter();") + src.count("nf_pdl_enter_late();") == src.count('extern "C" __global__'), key
+        assert src.count("nf_pdl_enter();") == src.count('extern "C" __global__'), key
 
 
 def test_pre_kernel_and_workspace_reach_the_manifest(spec_tree, tmp_path):
