@@ -280,25 +280,51 @@ def decode_step_bytes(cfg, fig: dict, c: int, context: int) -> int:
             + c * (context * fig["kv_bytes_per_token"] + 2 * fig["gdn_state_bytes"]))
 
 
-PROFILE_HOLD_CYCLES = 400_000_000   # ~0.2 s at 2 GHz: longer than the host takes to enqueue one eager step
+def _eager_profile(torch, be, step) -> tuple[list, dict]:
+    """Run one eager step (step()) under CUPTI (torch.profiler): the backend's record of every launch (op, route
+    instance, dims, kernel symbol), and the GPU time of each generated kernel symbol in microseconds (a route's
+    `_pre` kernel counted with it). CUPTI times each kernel on the GPU itself, so the host's launch time between
+    kernels is not counted (CUDA events around each launch counted it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    be.profile = []
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        launches = be.profile
+    finally:
+        be.profile = None
+    us: dict = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CPU:
+            name = e.name.removesuffix("_pre")
+            us[name] = us.get(name, 0.0) + e.time_range.elapsed_us()
+    return launches, us
 
 
-def _profile_table(torch, events: list, title: str, copy_gbs: float, gemm_tflops: float, contract) -> None:
-    """Per (op, route) GPU time of one eager step and the fraction of its ceiling: for the linear ops FLOPs / GEMM peak
-    and weight bytes / copy bandwidth, for the others the bytes their contract moves (contract_bytes) / copy
-    bandwidth; then the ops that lose the most time against their ceiling (which op is furthest from it)."""
-    torch.cuda.synchronize()
+def _profile_table(launches: list, kernel_us: dict, title: str, copy_gbs: float, gemm_tflops: float,
+                   contract) -> None:
+    """Per (op, route) GPU time of one eager step (_eager_profile) and the fraction of its ceiling: for the linear ops
+    FLOPs / GEMM peak and weight bytes / copy bandwidth, for the others the bytes their contract moves
+    (contract_bytes) / copy bandwidth; then the ops that lose the most time against their ceiling (which op is
+    furthest from it)."""
     agg: dict = {}
-    for op, inst, dims, start, end in events:
+    symbols: dict = {}
+    for op, inst, dims, symbol in launches:
         a = agg.setdefault((op, inst), [0, 0.0, 0, 0])       # calls, ms, flops, bytes (None: not known)
         a[0] += 1
-        a[1] += start.elapsed_time(end)
+        symbols[symbol] = (op, inst)
         if op.startswith("linear"):
             a[2] += op_flops(op, dims["T"], dims)
             a[3] += dims.get("WB", op_flops(op, 1, dims))   # bf16 weights: 2 bytes per multiply-add of one token
         else:
             nbytes = contract_bytes(contract(op), dims)
             a[3] = None if nbytes is None or a[3] is None else a[3] + nbytes
+    for symbol, key in symbols.items():   # a route instance is one kernel symbol, so its calls' times add up there
+        if symbol not in kernel_us:
+            raise RuntimeError(f"profile: CUPTI saw no kernel {symbol} although {key[0]} launched it")
+        agg[key][1] += kernel_us[symbol] / 1e3
     total = sum(a[1] for a in agg.values())
     click.echo(f"{title}: {total:.2f} ms of kernels in {sum(a[0] for a in agg.values())} launches")
     lost = {}
@@ -428,31 +454,23 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         rows.append({"kind": "prefill", "tokens": n, "tok_s": tps, "ttft_s": secs, "peak_frac": frac})
         click.echo(f"prefill {n:>6} tokens: {tps:>9,.0f} tok/s  TTFT {secs:6.2f} s  {100 * frac:5.1f} % of "
                    f"{'FP8' if fp8_tflops else 'bf16'} peak")
-    if profile:  # one eager prefill chunk and one eager decode step, op by op, each op's own GPU time: the backend's
-        # profile mode launches without PDL, and a sleep kernel holds the stream while the host enqueues the step (an
-        # op's events would otherwise count the host's launch time)
+    if profile:  # one eager prefill chunk and one eager decode step, op by op, each op's own GPU time (CUPTI; the
+        # backend's profile mode launches without PDL, so no kernel's time holds its wait for the one before)
         seq = eng.open(ids(profile), max_new=2)
         graphs, eng.graphs = eng.graphs, None
         try:
-            eng.be.profile = []
             while seq.prefilled + eng.prefill_chunk < len(seq.prompt):   # keep only the last chunk (most context)
                 eng.prefill(seq)
-            torch.cuda.synchronize()
-            eng.be.profile = []
-            torch.cuda._sleep(PROFILE_HOLD_CYCLES)
-            done = eng.prefill(seq)
-            _profile_table(torch, eng.be.profile, f"profile: last prefill chunk of a {profile}-token prompt",
+            done = []
+            launches, us = _eager_profile(torch, eng.be, lambda: done.append(eng.prefill(seq)))
+            _profile_table(launches, us, f"profile: last prefill chunk of a {profile}-token prompt",
                            copy_gbs, gemm_tflops, eng.be.contract)
-            while not done:   # a chunk cut short at a prefix-cache snapshot
-                done = eng.prefill(seq)
-            torch.cuda.synchronize()
-            eng.be.profile = []
-            torch.cuda._sleep(PROFILE_HOLD_CYCLES)
-            eng.decode([seq])
-            _profile_table(torch, eng.be.profile, "profile: one eager decode step, C=1", copy_gbs, gemm_tflops,
-                           eng.be.contract)
+            while not done[-1]:   # a chunk cut short at a prefix-cache snapshot
+                done.append(eng.prefill(seq))
+            launches, us = _eager_profile(torch, eng.be, lambda: eng.decode([seq]))
+            _profile_table(launches, us, "profile: one eager decode step, C=1", copy_gbs, gemm_tflops, eng.be.contract)
         finally:
-            eng.be.profile, eng.graphs = None, graphs
+            eng.graphs = graphs
             eng.release(seq)
 
     def decode_secs(live) -> dict:

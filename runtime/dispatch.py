@@ -166,9 +166,10 @@ class CudaBackend(Backend):
     PLAN_CACHE = 8192
     # programmatic dependent launch for kernels that support it (sm_90+); NINFER_PDL=0 turns it off (A/B runs)
     pdl = os.environ.get("NINFER_PDL", "1") != "0"
-    # set to a list to record (op, route instance, dims, start, end) CUDA events of every run() (eager calls;
-    # graph replays are not seen): `ninfer-bench model --profile` reads it. Launches planned meanwhile go without
-    # PDL (plans are cached per setting): a kernel let in early would count its wait for the one before.
+    # set to a list to record (op, route instance, dims, kernel symbol) of every run() (eager calls; graph replays
+    # are not seen): `ninfer-bench model --profile` matches them with the kernels' CUPTI times. Launches planned
+    # meanwhile go without PDL (plans are cached per setting): a kernel let in early would count its wait for the one
+    # before.
     profile: list | None = None
 
     @property
@@ -177,14 +178,9 @@ class CudaBackend(Backend):
 
     def run(self, op: str, *, route: str | None = None, **args) -> None:
         launch = self.plan(op, route=route, **args)
-        if self.profile is None:
-            launch()
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if self.profile is not None:
+            self.profile.append((op, launch.kernel.instance, launch.dims, launch.kernel.symbol))
         launch()
-        end.record()
-        self.profile.append((op, launch.kernel.instance, launch.dims, start, end))
 
     def plan(self, op: str, *, route: str | None = None, **args):
         """Plans are cached by everything that determines them (op, route, each tensor's address, shape,

@@ -1,5 +1,6 @@
 """The inputs `ninfer-bench ops` and `ninfer-tune` time ops on (cli/bench_inputs.py), for the MoE expert ops and
 dequant: built on the CPU here, the GPU uses the same code; and `ninfer-bench model --omit-op`'s dropped launches."""
+import pytest
 import torch
 
 from ninfer.cli.bench import omit_launches
@@ -259,27 +260,20 @@ def test_contract_bytes_count_each_tensor_once_and_the_step_slots_of_a_state_poo
 def test_the_step_profile_ranks_the_ops_furthest_from_the_copy_ceiling(capsys):
     """_profile_table (ninfer-bench model --profile) prints each op's GB/s against the copy rate, the linear ops'
     weights and the others' contract bytes, and names the ops that lose the most time against it."""
-    import types
-
     from ninfer.cli.bench import _profile_table
     be, g = ReferenceBackend(), torch.Generator().manual_seed(2)
     norm = bound(be, "add_rms_norm_zc", make_inputs(torch, be.contract("add_rms_norm_zc"), "bf16", {"T": 1, "H": 5120},
                                                      g, "add_rms_norm_zc"))
     lin = {"T": 1, "N": 5120, "K": 6144, "WB": nbytes("q4", (5120, 6144))}
-
-    class Ev:
-        def __init__(self, ms):
-            self.ms = ms
-
-        def elapsed_time(self, end):
-            return end.ms - self.ms
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
-    events = [("add_rms_norm_zc", "row_reg.t640v1", norm, Ev(0.0), Ev(0.002)),        # 51 KB in 2 us
-              ("linear_q4", "gemv_splitk.t1u2k2px", lin, Ev(0.0), Ev(0.008))]         # 16.7 MB in 8 us
-    _profile_table(fake, events, "profile", 4000.0, 800.0, be.contract)
+    launches = [("add_rms_norm_zc", "row_reg.t640v1", norm, "norm_kernel"),       # 51 KB in 2 us
+                ("linear_q4", "gemv_splitk.t1u2k2px", lin, "gemv_kernel")]     # 16.7 MB in 8 us
+    _profile_table(launches, {"norm_kernel": 2.0, "gemv_kernel": 8.0, "a_torch_kernel": 5.0}, "profile", 4000.0,
+                   800.0, be.contract)
     out = capsys.readouterr().out
     norm_row = next(line for line in out.splitlines() if line.strip().startswith("add_rms_norm_zc"))
     assert "26 GB/s =   0.6 % of copy" in norm_row
     assert "% of copy" in next(line for line in out.splitlines() if line.strip().startswith("linear_q4"))
     worst = out.splitlines()[-1]
     assert worst.index("linear_q4") < worst.index("add_rms_norm_zc")   # 8 - 4.2 us lost against 2 - 0.01
+    with pytest.raises(RuntimeError, match="no kernel gemv_kernel"):   # a launch CUPTI did not see is not guessed
+        _profile_table(launches, {"norm_kernel": 2.0}, "profile", 4000.0, 800.0, be.contract)
