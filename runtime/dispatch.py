@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .contracts import ContractError, bind
+from .contracts import TORCH_DTYPES, ContractError, bind
 from .manifest import Manifest, RouteError, evaluate
 from .reference_quant import ALL_REFERENCES as REFERENCES
 
@@ -33,7 +33,6 @@ def _split(contract: dict, args: dict) -> tuple[dict, dict]:
 
 
 def _dtype_of(op: str, contract: dict, tensors: dict) -> str:
-    from .contracts import TORCH_DTYPES
     by_torch = {v: k for k, v in TORCH_DTYPES.items()}
     for name, spec in {**contract["inputs"], **contract["states"], **contract["outputs"]}.items():
         if spec["dtype"] == "$dtype" and isinstance(tensors.get(name), torch.Tensor):
@@ -54,8 +53,8 @@ def _check_aliasing(op: str, contract: dict, tensors: dict) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _wants_dims(fn) -> bool:
-    return "dims" in inspect.signature(fn).parameters
+def _wants(fn, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
 
 
 def forced_routes(text: str) -> dict[str, str]:
@@ -125,7 +124,8 @@ class ReferenceBackend(Backend):
     def plan(self, op: str, *, route: str | None = None, **args):
         contract = self.contract(op)
         tensors, params = _split(contract, args)
-        dims, params = bind(op, contract, _dtype_of(op, contract, tensors), tensors, params)
+        dtype = _dtype_of(op, contract, tensors)
+        dims, params = bind(op, contract, dtype, tensors, params)
         _check_aliasing(op, contract, tensors)
         fn = REFERENCES.get(contract["reference"])
         if fn is None:
@@ -134,7 +134,8 @@ class ReferenceBackend(Backend):
         ins = {k: tensors[k] for k in [*contract["inputs"], *contract["states"]]}
         outs = {k: tensors[k] for k in [*contract["outputs"], *contract["states"]]}
 
-        extra = {"dims": dims} if _wants_dims(fn) else {}
+        # dims: the bound sizes; store: the op's storage dtype, for references that round an intermediate into it
+        extra = {k: v for k, v in (("dims", dims), ("store", TORCH_DTYPES[dtype])) if _wants(fn, k)}
 
         def call():
             # fp32 math (fp64 stays fp64: the test oracles); the result is rounded once into each output

@@ -30,8 +30,11 @@ def add_rms_norm_zc(a, b, w, eps):
     return {"s": s, "y": _norm(s, eps) * (1 + w)}
 
 
-def sigmoid_gate_add_rms_norm_zc(a, b, c, g, w, eps):
-    return add_rms_norm_zc(a, sigmoid_gate_add(b, c, g)["y"], w, eps)
+def sigmoid_gate_add_rms_norm_zc(a, b, c, g, w, eps, store=None):
+    # m is stored in the op's dtype before the add-norm, as the contract (and sigmoid_gate_add) does: where a + m
+    # cancels, that rounding is most of s
+    m = sigmoid_gate_add(b, c, g)["y"]
+    return add_rms_norm_zc(a, m if store is None else m.to(store).to(m.dtype), w, eps)
 
 
 def add(a, b):

@@ -2,6 +2,8 @@
 
 Used by the CPU tests (reference backend) and the GPU tests (every route of every op).
 """
+import inspect
+
 import torch
 
 from ninfer.runtime.contracts import TORCH_DTYPES, shape_of
@@ -40,24 +42,15 @@ def make_inputs(contract, dims, device, gen, dtype="bf16"):
     return ts
 
 
-def _gate_add_then_add_norm(a, b, c, g, w, eps, dtype):
-    """sigmoid_gate_add_rms_norm_zc's contract stores m (the gate add) in the tensors' dtype before the add-norm, as
-    the unfused sigmoid_gate_add does: where a + m cancels, that rounding is most of s, so the oracle makes it too."""
-    m = REFERENCES["sigmoid_gate_add"](b, c, g)["y"].to(dtype).double()
-    return REFERENCES["add_rms_norm_zc"](a, m, w, eps)
-
-
-# ops whose contract rounds an intermediate to the storage dtype (a formula's inner "one rounding")
-ROUNDED_INTERMEDIATES = {"sigmoid_gate_add_rms_norm_zc": _gate_add_then_add_norm}
-
-
 def oracle(op, contract, tensors, params):
-    """fp64 (on the tensors' device) reference from the represented inputs, before the one output rounding (and any
-    intermediate rounding the contract states: ROUNDED_INTERMEDIATES)."""
+    """fp64 (on the tensors' device) reference from the represented inputs, before the one output rounding (an
+    intermediate the contract stores, as sigmoid_gate_add_rms_norm_zc's m, rounded into the tensors' dtype)."""
+    fn = REFERENCES[contract["reference"]]
     ins = {k: (tensors[k].double() if tensors[k].is_floating_point() else tensors[k]) for k in contract["inputs"]}
-    if op in ROUNDED_INTERMEDIATES:
-        return ROUNDED_INTERMEDIATES[op](**ins, **params, dtype=tensors[next(iter(contract["inputs"]))].dtype)
-    return REFERENCES[contract["reference"]](**ins, **params)
+    if "store" in inspect.signature(fn).parameters:
+        params = {**params, "store": next(tensors[k].dtype for k, spec in contract["inputs"].items()
+                                          if spec["dtype"] == "$dtype")}
+    return fn(**ins, **params)
 
 
 def boundary_ts(spans):
