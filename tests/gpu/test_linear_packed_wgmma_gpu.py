@@ -140,7 +140,7 @@ def test_row_split_views(be, fmt):
     (no copy of the [T, N] output). Both prefill paths over a view equal their rows of the fused matrix's result
     bit for bit: dequant_<fmt> into a scratch, and every wgmma_rs tile."""
     from ninfer.runtime.weights import PackedWeight, split_rows
-    n1, n2, K = 384, 256, 1024
+    n1, n2, K = 384, 256, 2048   # K >= 512 x ks: every wgmma_rs_splitk tile admits it
     fused = PackedWeight(packed(n1 + n2, K, seed=11, fmt=fmt), fmt, (n1 + n2, K))
     top, bottom = split_rows(fused, n1)
     parts = lambda whole: (whole[:n1], whole[n1:])  # noqa: E731
