@@ -454,8 +454,8 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         rows.append({"kind": "prefill", "tokens": n, "tok_s": tps, "ttft_s": secs, "peak_frac": frac})
         click.echo(f"prefill {n:>6} tokens: {tps:>9,.0f} tok/s  TTFT {secs:6.2f} s  {100 * frac:5.1f} % of "
                    f"{'FP8' if fp8_tflops else 'bf16'} peak")
-    if profile:  # one eager prefill chunk and one eager decode step, op by op, each op's own GPU time (CUPTI; the
-        # backend's profile mode launches without PDL, so no kernel's time holds its wait for the one before)
+    def eager_profiles():   # one eager prefill chunk and one eager decode step, op by op, each op's own GPU time
+        # (CUPTI; the backend's profile mode launches without PDL, so no kernel's time holds its wait for the one before)
         seq = eng.open(ids(profile), max_new=2)
         graphs, eng.graphs = eng.graphs, None
         try:
@@ -533,8 +533,12 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
                        f"{st['p10'] * 1e3:.2f}-{st['p90'] * 1e3:.2f}, "
                        f"{'' if gap is None else f'host gap {gap:.0f} us, '}context {ctx_now}) "
                        f"{100 * frac:5.1f} % of the bandwidth roofline ({nbytes / 1e9:.1f} GB/step)")
-            if profile and c == concurrency[0]:
-                _graph_profile(torch, eng, live, secs)
+        # the profiles come after every timed step: decode steps timed after one read ~1.5 % slow on the H100
+        # (PERF_NOTES.md session 39; CUPTI may stay attached once started, as Kineto need not tear it down)
+        if profile:
+            c = concurrency[0]
+            _graph_profile(torch, eng, seqs[:c], next(r["step_ms"] for r in rows if r["kind"] == "decode"
+                                                       and r["concurrency"] == c) / 1e3)
         if omit:  # the same steps with these ops' launches dropped (outputs wrong): the most fusing them away saves
             omit_launches(eng.be, frozenset(omit))
             if eng.graphs is not None:
@@ -549,6 +553,8 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
     finally:
         for s in seqs:
             eng.release(s)
+    if profile:
+        eager_profiles()
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"shape": shape, "device": dev.name, "weights": fmt, "kv_cache_dtype": eng.kv_cache_dtype,
@@ -594,6 +600,9 @@ def model_cmd(shape, prompts, concurrency, decode_prompt, steps, fmt, profile, p
     if indexing := [op for op in omit if any(o["dtype"] == "i32" for o in known[op]["outputs"].values())]:
         raise click.BadParameter(f"{', '.join(indexing)}: writes integer outputs that later kernels index with; "
                                  "only ops with floating-point outputs can be omitted", param_hint="--omit-op")
+    if profile and omit:   # the profiles would see the dropped launches, and CUPTI would slow the re-timed steps
+        raise click.BadParameter("--profile times the whole step: run it and --omit-op separately",
+                                 param_hint="--profile")
     levels = [int(x) for x in concurrency.split(",")]
     if steps < len(levels):   # each level's figure is the median of its share of the steps
         raise click.BadParameter(f"{steps} steps for {len(levels)} concurrency levels: each level needs at least one "

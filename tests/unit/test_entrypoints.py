@@ -50,3 +50,11 @@ def test_bench_model_refuses_fewer_steps_than_concurrency_levels():
 def test_bench_model_refuses_to_omit_an_op_with_index_outputs():
     r = subprocess.run([str(BIN / "ninfer-bench"), "model", "--omit-op", "moe_topk"], capture_output=True, text=True)
     assert r.returncode == 2 and "moe_topk" in r.stderr and "integer outputs" in r.stderr, r.stderr
+
+
+def test_bench_model_refuses_profile_with_omitted_ops():
+    """--profile times the whole step (its launches, without CUPTI attached during the timed steps): with --omit-op
+    it would see the dropped launches, so the pair is refused up front."""
+    r = subprocess.run([str(BIN / "ninfer-bench"), "model", "--profile", "1024", "--omit-op", "add_rms_norm_zc"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--profile" in r.stderr and "--omit-op separately" in r.stderr, r.stderr
