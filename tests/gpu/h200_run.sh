@@ -97,10 +97,12 @@ for stage in $STAGES; do
         env $form timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b --weights q4 \
           ${BENCH35:---prompts 1024 --concurrency 1,2,8 --steps 64 --prefill-reps 1} --json "$OUT/moe-decode-ab-$i.json" 2>&1 | tee "$OUT/moe-decode-ab-$i.log"
       done ;;
-    spec)  # speculative decoding against plain decoding, 27B and 35B-A3B q4, MTP and n-gram drafts (rejected, then injected)
+    spec)  # speculative decoding against plain decoding, 27B and 35B-A3B q4, MTP and n-gram drafts (rejected, then injected);
+      # no --profile by default: a mode's profile runs after its timed calls, and the later modes' would then be timed
+      # with CUPTI attached (BENCH_SPEC="--concurrency 8 --profile" for where a round's time goes)
       for shape in ${SPEC_SHAPES:-qwen3.6-27b qwen3.6-35b-a3b}; do for method in ${SPEC_METHODS:-mtp ngram}; do
         timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench spec --shape $shape --weights q4 --method $method \
-          ${BENCH_SPEC:---concurrency 1,8 --profile} --json "$OUT/spec-$shape-$method.json" 2>&1 | tee "$OUT/spec-$shape-$method.log"
+          ${BENCH_SPEC:---concurrency 1,8} --json "$OUT/spec-$shape-$method.json" 2>&1 | tee "$OUT/spec-$shape-$method.log"
       done; done
       # through ninfer-serve too (n-gram drafts: whatever the random model's sampled answers repeat), 27B q4, C = 1 and 8;
       # SPEC_SERVE=0 skips it (it needs .carry/demo, which does not fit in one call beside .carry/oracle)
