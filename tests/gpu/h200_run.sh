@@ -5,7 +5,7 @@
 # needs no GPU) and .carry/oracle (tests/gpu/make_oracle.py) travel with the call; the cubins may travel packed
 # (about a quarter of the bytes: room for the whole oracle under the carry limit). `make gpu-carry` makes both.
 #   STAGES="tests racecheck tune bench-ops ncu-ops bench-27b bench-27b-bf16 bench-35b bench-35b-bf16 bench-serve serve-load moe-ab split-ab chunk-ab w8a8-ab w8a8-kl moe-decode-ab spec spec-cb spec-wy spec-dv spec-dh" (default: tests bench-27b bench-35b)
-#   MOE_FORMS="1 2" (moe-decode-ab: its forms by number, default all)
+#   MOE_FORMS="1 2 3" (moe-decode-ab: its forms by number, default all)
 #   TESTS="tests/gpu/test_a_gpu.py ..." (default: every GPU test file), TEST_TIMEOUT (s per file, default 420), TEST_JOBS (files at a time, default 1), TEST_K (a pytest -k expression), BENCH_OPS="linear_q4 ..." (default: all), BENCH_ROUTES="prefill*" (default: all), BENCH_T="4 32" (default: all), SPEC_SHAPES (spec: default both shapes)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=$FINAL/logs; mkdir -p "$OUT"   # only 8 files come back: logs are tarred at the end
@@ -91,9 +91,10 @@ for stage in $STAGES; do
         NINFER_FP8_W8A8_MIN_T=$min_t timeout 120 $PY -m ninfer.cli.perplexity kl .carry/oracle/dense.fp8.ninfer .carry/oracle/dense.ninfer \
           --ids "$OUT/kl-ids.txt" --window 512 --backend cuda --json 2>&1 | tee "$OUT/w8a8-kl-$min_t.log" | tail -1
       done ;;
-    moe-decode-ab)  # 35B-A3B q4 decode: the gate add outside the add-norm, then inside (the default). MOE_FORMS: which, by number
-      forms=("NINFER_MOE_GATE_ADD_NORM=0" "NINFER_MOE_GATE_ADD_NORM=1")
-      for i in ${MOE_FORMS:-1 2}; do form=${forms[$((i - 1))]}; echo "# form $i: $form"
+    moe-decode-ab)  # 35B-A3B q4 decode: the gate add outside the add-norm, then inside (the default); the router's weights
+      # prefetched before its PDL wait (gemv.g8p forced: at C = 8 too, where the table takes wgmma). MOE_FORMS: which, by number
+      forms=("NINFER_MOE_GATE_ADD_NORM=0" "NINFER_MOE_GATE_ADD_NORM=1" "NINFER_ROUTES=moe_router=gemv.g8p")
+      for i in ${MOE_FORMS:-1 2 3}; do form=${forms[$((i - 1))]}; echo "# form $i: $form"
         env $form timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b --weights q4 \
           ${BENCH35:---prompts 1024 --concurrency 1,2,8 --steps 64 --prefill-reps 1} --json "$OUT/moe-decode-ab-$i.json" 2>&1 | tee "$OUT/moe-decode-ab-$i.log"
       done ;;
