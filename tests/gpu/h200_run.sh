@@ -92,8 +92,8 @@ for stage in $STAGES; do
           --ids "$OUT/kl-ids.txt" --window 512 --backend cuda --json 2>&1 | tee "$OUT/w8a8-kl-$min_t.log" | tail -1
       done ;;
     moe-decode-ab)  # 35B-A3B q4 decode: the gate add outside the add-norm, then inside (the default); the router's weights
-      # prefetched before its PDL wait (gemv.g8p forced: at C = 8 too, where the table takes wgmma). MOE_FORMS: which, by number
-      forms=("NINFER_MOE_GATE_ADD_NORM=0" "NINFER_MOE_GATE_ADD_NORM=1" "NINFER_ROUTES=moe_router=gemv.g8p")
+      # loaded before its PDL wait (gemv_row.g8 forced: at C = 8 too, where the table takes wgmma). MOE_FORMS: which, by number
+      forms=("NINFER_MOE_GATE_ADD_NORM=0" "NINFER_MOE_GATE_ADD_NORM=1" "NINFER_ROUTES=moe_router=gemv_row.g8")
       for i in ${MOE_FORMS:-1 2 3}; do form=${forms[$((i - 1))]}; echo "# form $i: $form"
         env $form timeout ${BENCH_TIMEOUT:-500} $PY -m ninfer.cli.bench model --shape qwen3.6-35b-a3b --weights q4 \
           ${BENCH35:---prompts 1024 --concurrency 1,2,8 --steps 64 --prefill-reps 1} --json "$OUT/moe-decode-ab-$i.json" 2>&1 | tee "$OUT/moe-decode-ab-$i.log"
