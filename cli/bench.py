@@ -454,9 +454,11 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         rows.append({"kind": "prefill", "tokens": n, "tok_s": tps, "ttft_s": secs, "peak_frac": frac})
         click.echo(f"prefill {n:>6} tokens: {tps:>9,.0f} tok/s  TTFT {secs:6.2f} s  {100 * frac:5.1f} % of "
                    f"{'FP8' if fp8_tflops else 'bf16'} peak")
-    def eager_profiles():   # one eager prefill chunk and one eager decode step, op by op, each op's own GPU time
-        # (CUPTI; the backend's profile mode launches without PDL, so no kernel's time holds its wait for the one before)
-        seq = eng.open(ids(profile), max_new=2)
+    def eager_profiles():   # one eager prefill chunk and one eager decode step at each concurrency, op by op, each
+        # op's own GPU time (CUPTI; the backend's profile mode launches without PDL, so no kernel's time holds its wait
+        # for the one before)
+        lanes = [eng.open(ids(profile), max_new=len(concurrency) + 2) for _ in range(max(concurrency))]
+        seq = lanes[0]
         graphs, eng.graphs = eng.graphs, None
         try:
             while seq.prefilled + eng.prefill_chunk < len(seq.prompt):   # keep only the last chunk (most context)
@@ -467,11 +469,17 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
                            copy_gbs, gemm_tflops, eng.be.contract)
             while not done[-1]:   # a chunk cut short at a prefix-cache snapshot
                 done.append(eng.prefill(seq))
-            launches, us = _eager_profile(torch, eng.be, lambda: eng.decode([seq]))
-            _profile_table(launches, us, "profile: one eager decode step, C=1", copy_gbs, gemm_tflops, eng.be.contract)
+            for s in lanes[1:]:
+                while not eng.prefill(s):
+                    pass
+            for c in concurrency:
+                launches, us = _eager_profile(torch, eng.be, lambda: eng.decode(lanes[:c]))
+                _profile_table(launches, us, f"profile: one eager decode step, C={c}", copy_gbs, gemm_tflops,
+                               eng.be.contract)
         finally:
             eng.graphs = graphs
-            eng.release(seq)
+            for s in lanes:
+                eng.release(s)
 
     def decode_secs(live) -> dict:
         """step_stats of the timed steps; each step ends on its sampled ids' copy to the host (the step's one
@@ -573,7 +581,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
               show_default=True, help="format of the quantizable matrices (random packed bytes; recipe: each role's "
               "default format, the mix a converted checkpoint gets)")
 @click.option("--profile", type=int, default=0, help="also time each op of one prefill of this many tokens and "
-              "of one decode step (eager)")
+              "of one decode step at each --concurrency (eager, after every timed step)")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=4096, show_default=True,
               help="prompt tokens per prefill step (each step decodes every packed matrix once for the GEMMs; "
               "ninfer-serve's default while no other request decodes)")
