@@ -2,11 +2,10 @@
 
 Used by the CPU tests (reference backend) and the GPU tests (every route of every op).
 """
-import inspect
-
 import torch
 
 from ninfer.runtime.contracts import TORCH_DTYPES, shape_of
+from ninfer.runtime.dispatch import _dtype_of, _wants
 from ninfer.runtime.reference_quant import ALL_REFERENCES as REFERENCES
 
 # Problems per op: a small odd-sized one and a real 27B-shaped one.
@@ -47,9 +46,8 @@ def oracle(op, contract, tensors, params):
     intermediate the contract stores, as sigmoid_gate_add_rms_norm_zc's m, rounded into the tensors' dtype)."""
     fn = REFERENCES[contract["reference"]]
     ins = {k: (tensors[k].double() if tensors[k].is_floating_point() else tensors[k]) for k in contract["inputs"]}
-    if "store" in inspect.signature(fn).parameters:
-        params = {**params, "store": next(tensors[k].dtype for k, spec in contract["inputs"].items()
-                                          if spec["dtype"] == "$dtype")}
+    if _wants(fn, "store"):   # as the reference backend passes it
+        params = {**params, "store": TORCH_DTYPES[_dtype_of(op, contract, tensors)]}
     return fn(**ins, **params)
 
 
