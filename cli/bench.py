@@ -520,6 +520,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
     seqs = [eng.open(ids(decode_prompt), max_new=new_tokens,
                      sampling=SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=i))
             for i in range(max(concurrency))]
+    step_ms: dict = {}   # each level's median decode step, in ms
     try:
         for s in seqs:
             while not eng.prefill(s):
@@ -533,6 +534,7 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
             nbytes = decode_step_bytes(cfg, fig, c, ctx_now)
             tps = c / secs
             frac = (nbytes / secs) / (copy_gbs * 1e9)
+            step_ms[c] = secs * 1e3
             rows.append({"kind": "decode", "concurrency": c, "context": ctx_now, "sampling": sampling, "tok_s": tps,
                          "step_ms": secs * 1e3, "step_ms_p10": st["p10"] * 1e3, "step_ms_p90": st["p90"] * 1e3,
                          "host_gap_us": gap, "bytes_per_step": nbytes, "bw_frac": frac})
@@ -545,15 +547,14 @@ def bench_model(shape: str, prompts: list[int], concurrency: list[int], decode_p
         # (PERF_NOTES.md session 39; CUPTI may stay attached once started, as Kineto need not tear it down)
         if profile:
             c = concurrency[0]
-            _graph_profile(torch, eng, seqs[:c], next(r["step_ms"] for r in rows if r["kind"] == "decode"
-                                                       and r["concurrency"] == c) / 1e3)
+            _graph_profile(torch, eng, seqs[:c], step_ms[c] / 1e3)
         if omit:  # the same steps with these ops' launches dropped (outputs wrong): the most fusing them away saves
             omit_launches(eng.be, frozenset(omit))
             if eng.graphs is not None:
                 eng.graphs = DecodeGraphs(eng)
             for c in concurrency:
                 secs = decode_secs(seqs[:c])["median"]
-                full = next(r["step_ms"] for r in rows if r["kind"] == "decode" and r["concurrency"] == c)
+                full = step_ms[c]
                 rows.append({"kind": "decode", "concurrency": c, "omitted": sorted(omit), "tok_s": c / secs,
                              "step_ms": secs * 1e3})
                 click.echo(f"decode C={c} without {', '.join(sorted(omit))}: {c / secs:>8,.1f} tok/s aggregate "
